@@ -1,0 +1,43 @@
+"""fmp: functional mixed precision for PyTorch."""
+
+from fmp import optim
+from fmp._struct import OPTREE_NAMESPACE
+from fmp.loss_scale import DynamicLossScale
+from fmp.loss_scale import LossScale
+from fmp.loss_scale import NoOpLossScale
+from fmp.loss_scale import StaticLossScale
+from fmp.policy import Policy
+from fmp.policy import get_policy
+from fmp.policy import half_dtype
+from fmp.step import Gradients
+from fmp.step import StepInfo
+from fmp.step import TrainState
+from fmp.step import mixed_precision_grad
+from fmp.step import mixed_precision_step
+from fmp.step import train_step
+from fmp.tree import all_finite
+from fmp.tree import cast_floating
+from fmp.tree import select_tree
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "OPTREE_NAMESPACE",
+    "DynamicLossScale",
+    "Gradients",
+    "LossScale",
+    "NoOpLossScale",
+    "Policy",
+    "StaticLossScale",
+    "StepInfo",
+    "TrainState",
+    "all_finite",
+    "cast_floating",
+    "get_policy",
+    "half_dtype",
+    "mixed_precision_grad",
+    "mixed_precision_step",
+    "optim",
+    "select_tree",
+    "train_step",
+]

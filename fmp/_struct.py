@@ -1,0 +1,73 @@
+"""Immutable dataclasses that are pytrees for both `torch.utils._pytree` and optree.
+
+`torch.func` and `torch.compile` read pytrees through `torch.utils._pytree`; optree users read them
+through the namespace `OPTREE_NAMESPACE`. Tensor fields are leaves; fields declared with
+`static_field()` are configuration and live in the treespec, so they survive every round trip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+from typing import TypeVar
+
+import optree
+import torch.utils._pytree as torch_pytree
+from typing_extensions import dataclass_transform
+
+__all__ = ["OPTREE_NAMESPACE", "pytree_dataclass", "static_field"]
+
+OPTREE_NAMESPACE = "fmp"
+"""The optree namespace fmp's state classes are registered under: `optree.tree_flatten(x, namespace=...)`."""
+
+_STATIC = "fmp_static"
+
+T = TypeVar("T")
+
+
+def static_field(**kwargs: Any) -> Any:
+    """Declares a dataclass field that is configuration: kept in the treespec, never a leaf."""
+    return dataclasses.field(metadata={_STATIC: True}, **kwargs)
+
+
+@dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field, static_field))
+def pytree_dataclass(cls: type[T]) -> type[T]:
+    """Makes `cls` a frozen dataclass registered as a pytree node with torch and optree.
+
+    The constructor stays trivial (unflattening calls it with whatever the leaves are, including
+    batched or fake tensors); validation belongs in a `create()` classmethod.
+    """
+    data_cls = dataclasses.dataclass(frozen=True)(cls)
+    fields = dataclasses.fields(data_cls)  # type: ignore[arg-type]
+    leaf_names = tuple(f.name for f in fields if not f.metadata.get(_STATIC, False))
+    static_names = tuple(f.name for f in fields if f.metadata.get(_STATIC, False))
+
+    def flatten(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
+        return [getattr(obj, n) for n in leaf_names], tuple(getattr(obj, n) for n in static_names)
+
+    def unflatten(leaves: Iterable[Any], static: tuple[Any, ...]) -> Any:
+        return data_cls(**dict(zip(leaf_names, leaves, strict=True)), **dict(zip(static_names, static, strict=True)))
+
+    def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], tuple[Any, ...]]:
+        leaves, static = flatten(obj)
+        return [(torch_pytree.GetAttrKey(n), v) for n, v in zip(leaf_names, leaves, strict=True)], static
+
+    torch_pytree.register_pytree_node(
+        data_cls,
+        flatten,
+        unflatten,
+        serialized_type_name=f"{data_cls.__module__}.{data_cls.__qualname__}",
+        # JSON turns the static tuple into a list; restore it so serialized treespecs compare equal.
+        to_dumpable_context=list,
+        from_dumpable_context=tuple,
+        flatten_with_keys_fn=flatten_with_keys,
+    )
+    optree.register_pytree_node(
+        data_cls,  # type: ignore[arg-type]
+        lambda obj: (*flatten(obj), leaf_names),
+        lambda static, leaves: unflatten(leaves, static),  # type: ignore[arg-type]
+        path_entry_type=optree.GetAttrEntry,
+        namespace=OPTREE_NAMESPACE,
+    )
+    return data_cls

@@ -1,0 +1,17 @@
+"""Pure optimizers: `init(params) -> state` and `update(grads, state, params) -> (params, state)`."""
+
+from fmp.optim._base import Optimizer
+from fmp.optim.adam import AdamState
+from fmp.optim.adam import adam
+from fmp.optim.adam import adamw
+from fmp.optim.sgd import SgdState
+from fmp.optim.sgd import sgd
+
+__all__ = [
+    "AdamState",
+    "Optimizer",
+    "SgdState",
+    "adam",
+    "adamw",
+    "sgd",
+]

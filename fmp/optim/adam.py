@@ -1,0 +1,99 @@
+"""Adam and AdamW as pure functions, numerically matching `torch.optim.Adam` and `torch.optim.AdamW`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+from typing import NamedTuple
+
+import torch
+import torch.utils._pytree as pytree
+
+from fmp.optim._base import Optimizer
+from fmp.optim._base import check_hyperparameter
+from fmp.optim._base import step_counter
+from fmp.optim._base import tree_zeros_like
+
+__all__ = ["AdamState", "adam", "adamw"]
+
+
+class AdamState(NamedTuple):
+    """State of Adam and AdamW.
+
+    Attributes:
+        step: Applied steps so far, a 0-dim int32 tensor (bias correction reads it on device).
+        exp_avg: First-moment estimates, shaped like the parameters.
+        exp_avg_sq: Second-moment estimates, shaped like the parameters.
+    """
+
+    step: torch.Tensor
+    exp_avg: Any
+    exp_avg_sq: Any
+
+
+def _adam(lr: float, betas: tuple[float, float], eps: float, weight_decay: float, *, decoupled: bool) -> Optimizer:
+    lr = check_hyperparameter("lr", lr, 0.0, math.inf)
+    if not isinstance(betas, tuple | list) or len(betas) != 2:
+        raise TypeError(f"betas must be a pair of floats, got {betas!r}")
+    beta1 = check_hyperparameter("betas[0]", betas[0], 0.0, 1.0)
+    beta2 = check_hyperparameter("betas[1]", betas[1], 0.0, 1.0)
+    eps = check_hyperparameter("eps", eps, 0.0, math.inf)
+    weight_decay = check_hyperparameter("weight_decay", weight_decay, 0.0, math.inf)
+
+    def init(params: Any) -> AdamState:
+        return AdamState(step_counter(params), tree_zeros_like(params), tree_zeros_like(params))
+
+    def update(grads: Any, state: AdamState, params: Any) -> tuple[Any, AdamState]:
+        step = state.step + 1
+        bias_correction1 = 1.0 - torch.pow(beta1, step.to(torch.float32))
+        bias_correction2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, step.to(torch.float32)))
+        step_size = lr / bias_correction1
+        if not decoupled and weight_decay:
+            grads = pytree.tree_map(lambda g, p: g + weight_decay * p, grads, params)
+        exp_avg = pytree.tree_map(lambda m, g: torch.lerp(m, g, 1.0 - beta1), state.exp_avg, grads)
+        exp_avg_sq = pytree.tree_map(lambda v, g: beta2 * v + (1.0 - beta2) * g * g, state.exp_avg_sq, grads)
+
+        def new_param(param: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if decoupled and weight_decay:
+                param = param * (1.0 - lr * weight_decay)
+            denom = torch.sqrt(v) / bias_correction2_sqrt.to(v.dtype) + eps
+            return param - step_size.to(param.dtype) * m / denom
+
+        new_params = pytree.tree_map(new_param, params, exp_avg, exp_avg_sq)
+        return new_params, AdamState(step, exp_avg, exp_avg_sq)
+
+    return Optimizer(init, update)
+
+
+def adam(
+    lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0
+) -> Optimizer:
+    """Adam with L2 weight decay folded into the gradient, as `torch.optim.Adam`.
+
+    Args:
+        lr: Learning rate, >= 0.
+        betas: Decay rates of the first and second moment estimates, each in [0, 1).
+        eps: Added to the denominator, >= 0.
+        weight_decay: L2 penalty, >= 0.
+
+    Returns:
+        The optimizer; its state is an `AdamState`.
+    """
+    return _adam(lr, betas, eps, weight_decay, decoupled=False)
+
+
+def adamw(
+    lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2
+) -> Optimizer:
+    """AdamW (decoupled weight decay), as `torch.optim.AdamW`.
+
+    Args:
+        lr: Learning rate, >= 0.
+        betas: Decay rates of the first and second moment estimates, each in [0, 1).
+        eps: Added to the denominator, >= 0.
+        weight_decay: Decoupled weight decay, >= 0.
+
+    Returns:
+        The optimizer; its state is an `AdamState`.
+    """
+    return _adam(lr, betas, eps, weight_decay, decoupled=True)

@@ -1,0 +1,165 @@
+"""Precision policies: which dtype parameters are stored in, computed in, and returned in."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TypeVar
+
+import torch
+
+from fmp.tree import cast_floating
+
+__all__ = ["Policy", "get_policy", "half_dtype"]
+
+Tree = TypeVar("Tree")
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "f32": torch.float32,
+    "full": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "f16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "f64": torch.float64,
+    "double": torch.float64,
+}
+_KEYS = {"params": "param_dtype", "p": "param_dtype", "compute": "compute_dtype", "c": "compute_dtype"}
+_KEYS |= {"output": "output_dtype", "o": "output_dtype"}
+
+# Device types whose preferred 16-bit float is bfloat16 (torch.autocast's default there); float16 elsewhere.
+_BFLOAT16_DEVICE_TYPES = frozenset({"cpu", "xla", "xpu", "hpu"})
+
+
+def half_dtype(device_type: str | None = None) -> torch.dtype:
+    """Returns the platform's 16-bit float: bfloat16 on CPU (and XLA, XPU, HPU), float16 elsewhere.
+
+    Args:
+        device_type: A device type such as "cuda" or "cpu"; None means the current accelerator if
+            torch sees one, else "cpu".
+
+    Returns:
+        torch.bfloat16 or torch.float16.
+    """
+    if device_type is None:
+        accelerator = torch.accelerator.current_accelerator()
+        device_type = "cpu" if accelerator is None else accelerator.type
+    return torch.bfloat16 if device_type in _BFLOAT16_DEVICE_TYPES else torch.float16
+
+
+def _parse_dtype(name: str, device_type: str | None) -> torch.dtype:
+    key = name.strip().lower()
+    if key == "half":
+        return half_dtype(device_type)
+    if key not in _DTYPE_NAMES:
+        accepted = ", ".join([*_DTYPE_NAMES, "half"])
+        raise ValueError(f"unknown dtype {name.strip()!r}; accepted: {accepted}")
+    return _DTYPE_NAMES[key]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A mixed-precision policy: the dtypes of stored parameters, of compute, and of outputs.
+
+    A policy is configuration, not state: it is hashable and is not a pytree. Its casts touch
+    floating-point tensor leaves only; everything else passes through untouched.
+
+    Attributes:
+        param_dtype: The dtype parameters (and gradients, and optimizer math) are kept in.
+        compute_dtype: The dtype the forward and backward passes run in.
+        output_dtype: The dtype of the loss function's result.
+    """
+
+    param_dtype: torch.dtype = torch.float32
+    compute_dtype: torch.dtype = torch.float32
+    output_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            dtype = getattr(self, field.name)
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise TypeError(f"Policy.{field.name} must be a floating-point torch.dtype, got {dtype!r}")
+
+    def cast_to_param(self, tree: Tree) -> Tree:
+        """Casts the floating-point tensor leaves of `tree` to `param_dtype`."""
+        return cast_floating(tree, self.param_dtype)
+
+    def cast_to_compute(self, tree: Tree) -> Tree:
+        """Casts the floating-point tensor leaves of `tree` to `compute_dtype`."""
+        return cast_floating(tree, self.compute_dtype)
+
+    def cast_to_output(self, tree: Tree) -> Tree:
+        """Casts the floating-point tensor leaves of `tree` to `output_dtype`."""
+        return cast_floating(tree, self.output_dtype)
+
+    def with_param_dtype(self, dtype: torch.dtype) -> Policy:
+        """Returns a copy of this policy with `param_dtype` replaced."""
+        return dataclasses.replace(self, param_dtype=dtype)
+
+    def with_compute_dtype(self, dtype: torch.dtype) -> Policy:
+        """Returns a copy of this policy with `compute_dtype` replaced."""
+        return dataclasses.replace(self, compute_dtype=dtype)
+
+    def with_output_dtype(self, dtype: torch.dtype) -> Policy:
+        """Returns a copy of this policy with `output_dtype` replaced."""
+        return dataclasses.replace(self, output_dtype=dtype)
+
+    def __str__(self) -> str:
+        return (
+            f"params={_dtype_name(self.param_dtype)},"
+            f"compute={_dtype_name(self.compute_dtype)},"
+            f"output={_dtype_name(self.output_dtype)}"
+        )
+
+
+def get_policy(spec: str, *, device_type: str | None = None) -> Policy:
+    """Parses a policy string such as "params=float32,compute=bfloat16,output=float32".
+
+    The grammar is jmp's: comma-separated `key=dtype` pairs with keys `params`/`p`,
+    `compute`/`c` and `output`/`o`. Unset keys default as: params float32, compute follows params,
+    output follows compute. A bare dtype ("bf16") sets all three. Dtypes are spelled as in torch or
+    jmp (float32, fp32, f32, full, float16, fp16, f16, bfloat16, bf16, float64, f64, ...) and "half"
+    is the platform's 16-bit float (see `half_dtype`). Case and whitespace do not matter.
+    `get_policy(str(policy)) == policy` for every policy.
+
+    Args:
+        spec: The policy string.
+        device_type: The device type "half" resolves for; None means the current accelerator.
+
+    Returns:
+        The parsed Policy.
+
+    Raises:
+        ValueError: Naming the bad key, dtype or fragment and what is accepted.
+    """
+    if not isinstance(spec, str):
+        raise TypeError(f"get_policy takes a string, got {type(spec).__name__}")
+    if not spec.strip():
+        raise ValueError("empty policy string; expected e.g. 'params=float32,compute=bfloat16,output=float32'")
+    if "=" not in spec:
+        dtype = _parse_dtype(spec, device_type)
+        return Policy(dtype, dtype, dtype)
+    chosen: dict[str, torch.dtype] = {}
+    for part in spec.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip().lower()
+        if not sep or not key or not value.strip():
+            raise ValueError(f"malformed policy fragment {part.strip()!r} in {spec!r}; expected key=dtype")
+        if key not in _KEYS:
+            raise ValueError(f"unknown policy key {key!r} in {spec!r}; accepted: {', '.join(_KEYS)}")
+        field = _KEYS[key]
+        if field in chosen:
+            raise ValueError(f"policy key for {field} given twice in {spec!r}")
+        chosen[field] = _parse_dtype(value, device_type)
+    param = chosen.get("param_dtype", torch.float32)
+    compute = chosen.get("compute_dtype", param)
+    return Policy(param, compute, chosen.get("output_dtype", compute))

@@ -1,0 +1,107 @@
+"""Tree utilities that never read a tensor's value on the host: finiteness, selection, casting."""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import TypeVar
+from typing import cast
+
+import torch
+import torch.utils._pytree as pytree
+
+__all__ = ["all_finite", "cast_floating", "check_finite_flag", "is_floating_tensor", "select_tree"]
+
+Tree = TypeVar("Tree")
+
+
+def is_floating_tensor(leaf: Any) -> bool:
+    """Whether `leaf` is a floating-point tensor (the only leaves fmp casts, scales and checks)."""
+    return isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
+
+
+def cast_floating(tree: Tree, dtype: torch.dtype) -> Tree:
+    """Casts the floating-point tensor leaves of `tree` to `dtype`.
+
+    Integer, bool and complex tensors, non-tensor leaves and `None` pass through untouched, and a
+    leaf already in `dtype` is returned as is (no copy).
+
+    Args:
+        tree: Any pytree.
+        dtype: The floating-point dtype to cast to.
+
+    Returns:
+        A tree of the same structure.
+    """
+    return cast(Tree, pytree.tree_map(lambda x: x.to(dtype) if is_floating_tensor(x) and x.dtype != dtype else x, tree))
+
+
+def all_finite(tree: Any) -> torch.Tensor:
+    """Returns a 0-dim bool tensor: True when every floating-point leaf of `tree` is finite.
+
+    Integer and bool leaves are finite by construction and non-tensor leaves are ignored; an empty
+    tree is finite. The result stays on the device (no host sync).
+
+    Args:
+        tree: Any pytree, typically gradients.
+
+    Returns:
+        A 0-dim bool tensor on the device of the first floating-point leaf (CPU if there is none).
+    """
+    leaves = [x for x in pytree.tree_leaves(tree) if is_floating_tensor(x)]
+    if not leaves:
+        return torch.ones((), dtype=torch.bool)
+    device = leaves[0].device
+    flags = [torch.isfinite(x).all().to(device) for x in leaves]
+    return flags[0] if len(flags) == 1 else torch.stack(flags).all()
+
+
+def check_finite_flag(grads_finite: Any, name: str = "grads_finite") -> None:
+    """Raises unless `grads_finite` is a 0-dim bool tensor (a static check: no host sync)."""
+    if not isinstance(grads_finite, torch.Tensor):
+        raise TypeError(f"{name} must be a 0-dim bool tensor, got {type(grads_finite).__name__}")
+    if grads_finite.dtype != torch.bool or grads_finite.dim() != 0:
+        raise ValueError(
+            f"{name} must be a 0-dim bool tensor (e.g. from fmp.all_finite), "
+            f"got dtype={grads_finite.dtype} shape={tuple(grads_finite.shape)}"
+        )
+
+
+def select_tree(pred: torch.Tensor, on_true: Tree, on_false: Tree) -> Tree:
+    """Picks `on_true` where `pred` holds and `on_false` elsewhere, leaf by leaf, without a host sync.
+
+    The chosen side's values come back bit for bit (NaN payloads and signed zeros included): the
+    other side may hold NaN or inf without leaking into the result.
+
+    Args:
+        pred: A 0-dim bool tensor.
+        on_true: A pytree.
+        on_false: A pytree with the same structure, shapes and dtypes as `on_true`.
+
+    Returns:
+        A pytree with the structure of `on_true`.
+
+    Raises:
+        ValueError: If the two trees differ in structure, or a pair of leaves in shape or dtype.
+    """
+    check_finite_flag(pred, name="pred")
+    true_pairs, true_spec = pytree.tree_flatten_with_path(on_true)
+    false_leaves, false_spec = pytree.tree_flatten(on_false)
+    if true_spec != false_spec:
+        raise ValueError(f"select_tree needs two trees of one structure, got {true_spec} and {false_spec}")
+    selected = []
+    for (path, a), b in zip(true_pairs, false_leaves, strict=True):
+        where = pytree.keystr(path)
+        if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+            raise ValueError(f"select_tree: leaf {where} is a tensor on one side only")
+        if not isinstance(a, torch.Tensor):
+            if a is not b and a != b:
+                raise ValueError(f"select_tree: non-tensor leaf {where} differs: {a!r} vs {b!r}")
+            selected.append(a)
+            continue
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise ValueError(
+                f"select_tree: leaf {where} is {a.dtype}{list(a.shape)} on one side "
+                f"and {b.dtype}{list(b.shape)} on the other"
+            )
+        selected.append(torch.where(pred, a, b))
+    return cast(Tree, pytree.tree_unflatten(selected, true_spec))

@@ -1,0 +1,77 @@
+"""Shared test helpers: tolerances per dtype, bitwise comparison, small functional models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import hypothesis
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+
+hypothesis.settings.register_profile("fmp", deadline=None, max_examples=60, print_blob=True)
+hypothesis.settings.load_profile("fmp")
+
+# One tolerance table per compute dtype: how far a mixed-precision result may sit from float32.
+TOLERANCES: dict[torch.dtype, dict[str, float]] = {
+    torch.float32: {"rtol": 1e-5, "atol": 1e-6},
+    torch.float16: {"rtol": 5e-3, "atol": 1e-3},
+    torch.bfloat16: {"rtol": 3e-2, "atol": 1e-2},
+}
+
+POLICIES = [
+    "params=float32,compute=float32,output=float32",
+    "params=float32,compute=bfloat16,output=float32",
+    "params=float32,compute=float16,output=float32",
+]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bit pattern of a tensor, so -0.0 != 0.0 and NaN payloads compare."""
+    int_dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]
+    return t.contiguous().view(int_dtype)
+
+
+def assert_trees_bitwise_equal(a: Any, b: Any) -> None:
+    a_leaves, a_spec = pytree.tree_flatten(a)
+    b_leaves, b_spec = pytree.tree_flatten(b)
+    assert a_spec == b_spec
+    for x, y in zip(a_leaves, b_leaves, strict=True):
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            assert torch.equal(bits(x), bits(y))
+        else:
+            assert x == y
+
+
+def assert_trees_close(a: Any, b: Any, **tolerance: float) -> None:
+    for x, y in zip(pytree.tree_leaves(a), pytree.tree_leaves(b), strict=True):
+        torch.testing.assert_close(x, y, **tolerance)
+
+
+def snapshot(tree: Any) -> Any:
+    """A deep copy of every tensor leaf, with each leaf's version counter, to detect mutation."""
+    return pytree.tree_map(lambda x: (x.clone(), x._version) if isinstance(x, torch.Tensor) else x, tree)
+
+
+def assert_unmutated(tree: Any, before: Any) -> None:
+    for x, saved in zip(pytree.tree_leaves(tree), pytree.tree_leaves(before, is_leaf=lambda v: isinstance(v, tuple))):
+        if isinstance(x, torch.Tensor):
+            copy, version = saved
+            assert x._version == version, "an input tensor was modified in place"
+            assert torch.equal(bits(x), bits(copy))
+
+
+def mlp_params(width: int = 8, out: int = 1, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "w1": torch.randn(width, width, generator=gen) / width**0.5,
+        "b1": torch.zeros(width),
+        "w2": torch.randn(out, width, generator=gen) / width**0.5,
+        "b2": torch.zeros(out),
+    }
+
+
+def mlp_loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    hidden = F.relu(F.linear(x, params["w1"], params["b1"]))
+    return F.mse_loss(F.linear(hidden, params["w2"], params["b2"]), y)

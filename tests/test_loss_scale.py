@@ -1,0 +1,264 @@
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import optree
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from conftest import bits
+from hypothesis import assume
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fmp
+
+TINY = torch.finfo(torch.float32).tiny
+INF = float("inf")
+
+init_scales = st.one_of(
+    st.integers(-30, 60).map(lambda k: 2.0**k),
+    st.floats(1e-6, 1e12).map(lambda v: float(torch.tensor(v, dtype=torch.float32))),
+)
+finite_sequences = st.lists(st.booleans(), max_size=80)
+
+
+def dynamic_scales(**fixed: object) -> st.SearchStrategy[fmp.DynamicLossScale]:
+    args = {
+        "init_scale": init_scales,
+        "growth_factor": st.one_of(st.just(2.0), st.floats(1.0001, 8.0)),
+        "backoff_factor": st.one_of(st.just(0.5), st.floats(0.01, 0.99)),
+        "growth_interval": st.integers(1, 6),
+    } | {k: st.just(v) for k, v in fixed.items()}
+    return st.builds(fmp.DynamicLossScale.create, **args)
+
+
+def torch_grad_scaler(state: fmp.DynamicLossScale) -> tuple[torch.amp.GradScaler, torch.optim.Optimizer]:
+    scaler = torch.amp.GradScaler(
+        "cpu",
+        init_scale=float(state.loss_scale),
+        growth_factor=state.growth_factor,
+        backoff_factor=state.backoff_factor,
+        growth_interval=state.growth_interval,
+    )
+    param = torch.nn.Parameter(torch.zeros(3))
+    return scaler, torch.optim.SGD([param], lr=0.0)
+
+
+@given(dynamic_scales(), finite_sequences)
+def test_adjust_reproduces_grad_scaler_exactly(state: fmp.DynamicLossScale, steps: list[bool]) -> None:
+    reference, optimizer = torch_grad_scaler(state)
+    (param,) = optimizer.param_groups[0]["params"]
+    for finite in steps:
+        reference.scale(torch.ones(()))
+        param.grad = torch.full((3,), 1.0 if finite else INF)
+        reference.step(optimizer)
+        reference.update()
+        state = state.adjust(torch.tensor(finite))
+        expected = reference.state_dict()
+        if expected["scale"] < TINY:
+            break  # torch's scale went subnormal: fmp's min_scale floor binds from here on, by design
+        assert float(state.loss_scale) == expected["scale"]  # float32 -> float64 is exact: bitwise equal
+        assert int(state.growth_tracker) == expected["_growth_tracker"]
+
+
+def test_min_scale_floor_where_grad_scaler_decays_to_zero() -> None:
+    reference, optimizer = torch_grad_scaler(fmp.DynamicLossScale.create())
+    state = fmp.DynamicLossScale.create()
+    (param,) = optimizer.param_groups[0]["params"]
+    for _ in range(200):
+        reference.scale(torch.ones(()))
+        param.grad = torch.full((3,), INF)
+        reference.step(optimizer)
+        reference.update()
+        state = state.adjust(torch.tensor(False))
+    assert reference.state_dict()["scale"] == 0.0  # torch's scale is gone: every later loss * 0
+    assert float(state.loss_scale) == TINY
+
+
+@given(
+    dynamic_scales(),
+    st.sampled_from([1.0, 2.0**-8, TINY]),
+    st.sampled_from([2.0**24, 2.0**64, torch.finfo(torch.float32).max]),
+    st.integers(1, 4),
+    finite_sequences,
+)
+def test_scale_invariants(
+    base: fmp.DynamicLossScale, min_scale: float, max_scale: float, hysteresis: int, steps: list[bool]
+) -> None:
+    assume(min_scale <= float(base.loss_scale) <= max_scale)
+    state = dataclasses.replace(base, min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis)
+    finite_run = overflow_run = 0
+    for finite in steps:
+        old = float(state.loss_scale)
+        state = state.adjust(torch.tensor(finite))
+        new = float(state.loss_scale)
+        finite_run, overflow_run = (finite_run + 1, 0) if finite else (0, overflow_run + 1)
+        assert 0 < min_scale <= new <= max_scale
+        assert int(state.overflow_streak) == overflow_run
+        if finite:
+            assert new >= old  # a finite step never backs off
+            if new > old:  # growth only after growth_interval consecutive finite steps
+                assert finite_run == state.growth_interval
+            if finite_run == state.growth_interval:
+                finite_run = 0
+            assert int(state.growth_tracker) == finite_run
+        else:
+            assert new <= old and int(state.growth_tracker) == 0
+            if new < old:  # back off only from the hysteresis-th consecutive overflow on
+                assert overflow_run >= hysteresis
+            if overflow_run >= hysteresis and old * state.backoff_factor >= min_scale:
+                assert new < old
+
+
+def test_hysteresis_delays_backoff_until_consecutive_overflows() -> None:
+    state = fmp.DynamicLossScale.create(init_scale=1024.0, hysteresis=3)
+    trajectory = []
+    for finite in [False, False, True, False, False, False, False]:
+        state = state.adjust(torch.tensor(finite))
+        trajectory.append(float(state.loss_scale))
+    assert trajectory == [1024, 1024, 1024, 1024, 1024, 512, 256]
+
+
+def test_max_scale_caps_growth() -> None:
+    state = fmp.DynamicLossScale.create(init_scale=4.0, growth_interval=1, max_scale=10.0)
+    for _ in range(3):
+        state = state.adjust(torch.tensor(True))
+    assert float(state.loss_scale) == 10.0
+
+
+def test_growth_never_overflows_to_inf() -> None:
+    state = fmp.DynamicLossScale.create(init_scale=2.0**127, growth_interval=1)
+    state = state.adjust(torch.tensor(True))
+    assert float(state.loss_scale) == 2.0**127
+
+
+@given(
+    st.sampled_from(
+        [(torch.float32, 60, 40), (torch.float64, 60, 40), (torch.bfloat16, 60, 40), (torch.float16, 4, 8)]
+    ).flatmap(
+        lambda spec: st.tuples(
+            st.just(spec[0]),
+            st.lists(st.integers(-spec[1], spec[1]), min_size=1, max_size=8),
+            st.lists(st.floats(1.0, 2.0, exclude_max=True), min_size=8, max_size=8),
+            st.integers(-spec[2], spec[2]),
+        )
+    ),
+    st.sampled_from(["static", "dynamic"]),
+)
+def test_unscale_inverts_scale_exactly_for_powers_of_two(
+    case: tuple[torch.dtype, list[int], list[float], int], kind: str
+) -> None:
+    # Values and scales are kept where x * 2**k stays a normal number of the dtype (per-dtype table above).
+    dtype, exponents, mantissas, k = case
+    x = torch.tensor([m * 2.0**e for m, e in zip(mantissas, exponents, strict=False)]).to(dtype)
+    x = x * torch.where(torch.arange(len(x)) % 2 == 0, 1.0, -1.0).to(dtype)
+    state: fmp.LossScale
+    if kind == "static":
+        state = fmp.StaticLossScale.create(2.0**k)
+    else:
+        state = fmp.DynamicLossScale.create(init_scale=2.0**k)
+    tree = {"x": x, "n": torch.arange(3), "s": None}
+    restored = state.unscale(state.scale(tree))
+    assert restored["x"].dtype == dtype and torch.equal(bits(restored["x"]), bits(x))
+    assert restored["n"] is tree["n"] and restored["s"] is None
+
+
+def test_scale_promotes_a_half_loss_like_grad_scaler() -> None:
+    state = fmp.DynamicLossScale.create()
+    loss = torch.tensor(3.0, dtype=torch.float16)
+    reference = torch.amp.GradScaler("cpu")
+    assert state.scale(loss).dtype == reference.scale(loss).dtype == torch.float32
+    grads = torch.ones(4, dtype=torch.float16) * 2.0**16 * 0.5
+    assert state.unscale(grads).dtype == torch.float16
+
+
+@given(dynamic_scales(), st.floats(TINY, 1.0), st.integers(1, 5))
+def test_pytree_round_trips_keep_every_field(base: fmp.DynamicLossScale, min_scale: float, hysteresis: int) -> None:
+    state = dataclasses.replace(base, min_scale=min_scale, hysteresis=hysteresis)
+    leaves, spec = pytree.tree_flatten(state)
+    assert len(leaves) == 3 and all(isinstance(x, torch.Tensor) for x in leaves)
+    assert pytree.tree_unflatten(leaves, spec) == state
+    assert pytree.treespec_loads(pytree.treespec_dumps(spec)) == spec
+    opt_leaves, opt_spec = optree.tree_flatten(state, namespace=fmp.OPTREE_NAMESPACE)
+    assert optree.tree_unflatten(opt_spec, opt_leaves) == state
+    paths = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(state)[0]]
+    assert paths == [".loss_scale", ".growth_tracker", ".overflow_streak"]
+    mapped = pytree.tree_map(lambda x: x + 0, state)
+    assert dataclasses.asdict(mapped).keys() == dataclasses.asdict(state).keys()
+    for field in dataclasses.fields(state):
+        assert getattr(mapped, field.name) == getattr(state, field.name) or isinstance(
+            getattr(state, field.name), torch.Tensor
+        )
+
+
+def test_static_and_noop_states() -> None:
+    static = fmp.StaticLossScale.create(128.0)
+    assert pytree.tree_unflatten(*pytree.tree_flatten(static)) == static
+    assert static.adjust(torch.tensor(False)) is static
+    noop = fmp.NoOpLossScale()
+    assert pytree.tree_leaves(noop) == [] and optree.tree_leaves(noop, namespace=fmp.OPTREE_NAMESPACE) == []
+    tree = {"a": torch.ones(2)}
+    assert noop.scale(tree) is tree and noop.unscale(tree) is tree
+    assert noop.adjust(torch.tensor(True)) is noop and float(noop.loss_scale) == 1.0
+
+
+def test_states_are_immutable() -> None:
+    state = fmp.DynamicLossScale.create()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        state.loss_scale = torch.tensor(1.0)  # type: ignore[misc]
+    before = state.loss_scale.clone()
+    state.adjust(torch.tensor(False))
+    assert torch.equal(state.loss_scale, before)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"init_scale": 0.0}, ValueError, "init_scale must be positive and finite"),
+        ({"init_scale": -1.0}, ValueError, "init_scale must be positive and finite"),
+        ({"init_scale": math.inf}, ValueError, "init_scale must be positive and finite"),
+        ({"init_scale": math.nan}, ValueError, "init_scale must be positive and finite"),
+        ({"init_scale": "big"}, TypeError, "init_scale must be a float"),
+        ({"init_scale": torch.ones(2)}, ValueError, "init_scale must be a 0-dim floating tensor"),
+        ({"growth_factor": 1.0}, ValueError, r"growth_factor must be in \(1.0, inf\)"),
+        ({"growth_factor": 0.5}, ValueError, "growth_factor"),
+        ({"backoff_factor": 1.0}, ValueError, r"backoff_factor must be in \(0.0, 1.0\)"),
+        ({"backoff_factor": 0.0}, ValueError, "backoff_factor"),
+        ({"growth_interval": 0}, ValueError, "growth_interval must be a positive int"),
+        ({"growth_interval": 2.5}, ValueError, "growth_interval must be a positive int"),
+        ({"hysteresis": 0}, ValueError, "hysteresis must be a positive int"),
+        ({"min_scale": 0.0}, ValueError, "min_scale"),
+        ({"min_scale": 4.0, "max_scale": 2.0, "init_scale": 3.0}, ValueError, "must not exceed max_scale"),
+        ({"max_scale": 1024.0}, ValueError, r"init_scale \(65536.0\) must lie in"),
+    ],
+)
+def test_create_rejects_bad_arguments(kwargs: dict[str, object], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        fmp.DynamicLossScale.create(**kwargs)  # type: ignore[arg-type]
+
+
+def test_create_accepts_a_tensor_scale_and_a_device() -> None:
+    state = fmp.DynamicLossScale.create(init_scale=torch.tensor(8.0, dtype=torch.float64), device="cpu")
+    assert state.loss_scale.dtype == torch.float32 and float(state.loss_scale) == 8.0
+    assert state.growth_tracker.dtype == torch.int32 and state.growth_tracker.dim() == 0
+    with pytest.raises(ValueError, match="loss_scale must be positive"):
+        fmp.StaticLossScale.create(-2.0)
+
+
+@pytest.mark.parametrize(
+    "state", [fmp.NoOpLossScale(), fmp.StaticLossScale.create(2.0), fmp.DynamicLossScale.create()], ids=type
+)
+@pytest.mark.parametrize(
+    ("flag", "error"),
+    [
+        (True, TypeError),
+        (torch.tensor(1.0), ValueError),
+        (torch.tensor([True]), ValueError),
+        (torch.tensor(1), ValueError),
+    ],
+)
+def test_adjust_rejects_a_flag_that_is_not_a_0_dim_bool(state: fmp.LossScale, flag: object, error: type) -> None:
+    with pytest.raises(error, match="grads_finite must be a 0-dim bool tensor"):
+        state.adjust(flag)  # type: ignore[arg-type]

@@ -1,0 +1,113 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fmp
+
+F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
+FLOAT_DTYPES = [F32, F16, BF16, F64]
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("params=float32,compute=bfloat16,output=float32", (F32, BF16, F32)),
+        ("p=f32,c=bf16,o=f32", (F32, BF16, F32)),
+        ("p=f32,c=f16", (F32, F16, F16)),
+        ("c=fp16", (F32, F16, F16)),
+        ("p=bf16", (BF16, BF16, BF16)),
+        ("o=f64", (F32, F32, F64)),
+        ("bf16", (BF16, BF16, BF16)),
+        ("full", (F32, F32, F32)),
+        ("  Params = Float32 , COMPUTE=BFloat16 ,output = fp32 ", (F32, BF16, F32)),
+        ("compute=half", (F32, BF16, BF16)),  # CPU-only machine: the platform half is bfloat16
+        ("p=float64,c=double", (F64, F64, F64)),
+    ],
+)
+def test_get_policy_parses_jmp_and_torch_spellings(spec: str, expected: tuple[torch.dtype, ...]) -> None:
+    policy = fmp.get_policy(spec, device_type="cpu")
+    assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == expected
+
+
+def test_half_follows_the_device_type() -> None:
+    assert fmp.get_policy("c=half", device_type="cuda").compute_dtype == F16
+    assert fmp.get_policy("c=half", device_type="cpu").compute_dtype == BF16
+    assert fmp.half_dtype("cuda") == F16 and fmp.half_dtype("cpu") == BF16
+
+
+@given(st.sampled_from(FLOAT_DTYPES), st.sampled_from(FLOAT_DTYPES), st.sampled_from(FLOAT_DTYPES))
+def test_str_round_trips(param: torch.dtype, compute: torch.dtype, output: torch.dtype) -> None:
+    policy = fmp.Policy(param, compute, output)
+    assert fmp.get_policy(str(policy)) == policy
+    assert hash(fmp.get_policy(str(policy))) == hash(policy)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("", "empty policy"),
+        ("p=f32,q=f16", "unknown policy key 'q'"),
+        ("p=f32,c=int8", "unknown dtype 'int8'"),
+        ("float8", "unknown dtype 'float8'"),
+        ("p=f32,p=f16", "given twice"),
+        ("p=f32,,c=f16", "malformed policy fragment"),
+        ("p=,c=f16", "malformed policy fragment"),
+        ("=f16", "malformed policy fragment"),
+    ],
+)
+def test_bad_policy_strings_name_the_problem(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as excinfo:
+        fmp.get_policy(spec)
+    if "unknown" in message:
+        assert "accepted:" in str(excinfo.value)
+
+
+def test_policy_rejects_non_floating_dtypes() -> None:
+    with pytest.raises(TypeError, match="compute_dtype must be a floating-point"):
+        fmp.Policy(F32, torch.int8, F32)
+    with pytest.raises(TypeError, match="get_policy takes a string"):
+        fmp.get_policy(F32)  # type: ignore[arg-type]
+
+
+def test_policy_is_configuration_not_a_pytree() -> None:
+    policy = fmp.get_policy("c=bf16")
+    assert torch.utils._pytree.tree_leaves(policy) == [policy]
+    assert {policy: 1}[fmp.Policy(F32, BF16, BF16)] == 1
+    with pytest.raises(AttributeError):
+        policy.compute_dtype = F16  # type: ignore[misc]
+
+
+def test_with_methods_replace_one_dtype() -> None:
+    policy = fmp.Policy()
+    assert policy.with_param_dtype(BF16) == fmp.Policy(BF16, F32, F32)
+    assert policy.with_compute_dtype(F16) == fmp.Policy(F32, F16, F32)
+    assert policy.with_output_dtype(F64) == fmp.Policy(F32, F32, F64)
+
+
+leaves = st.one_of(
+    st.sampled_from(FLOAT_DTYPES).map(lambda d: torch.randn(3).to(d)),
+    st.sampled_from([torch.int32, torch.int64, torch.bool, torch.uint8]).map(lambda d: torch.ones(2, dtype=d)),
+    st.sampled_from([None, 3, 2.5, "name"]),
+)
+trees = st.recursive(leaves, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=3), kids))
+
+
+@given(trees, st.sampled_from(FLOAT_DTYPES), st.sampled_from(["param", "compute", "output"]))
+def test_casts_touch_floating_tensors_only(tree: object, dtype: torch.dtype, which: str) -> None:
+    policy = fmp.Policy(dtype, dtype, dtype)
+    cast = getattr(policy, f"cast_to_{which}")(tree)
+    in_leaves, in_spec = torch.utils._pytree.tree_flatten(tree)
+    out_leaves, out_spec = torch.utils._pytree.tree_flatten(cast)
+    assert in_spec == out_spec
+    for before, after in zip(in_leaves, out_leaves, strict=True):
+        if isinstance(before, torch.Tensor) and before.is_floating_point():
+            assert after.dtype == dtype
+            if before.dtype == dtype:
+                assert after is before  # no copy when already in the target dtype
+            else:
+                torch.testing.assert_close(after, before.to(dtype))
+        else:
+            assert after is before

@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import bits
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fmp
+
+values = st.floats(allow_nan=True, allow_infinity=True, width=32)
+
+
+@given(st.lists(st.lists(values, min_size=1, max_size=5), max_size=4), st.sampled_from([torch.float32, torch.float64]))
+def test_all_finite_is_true_exactly_when_every_value_is_finite(rows: list[list[float]], dtype: torch.dtype) -> None:
+    tree = {str(i): torch.tensor(row, dtype=dtype) for i, row in enumerate(rows)}
+    result = fmp.all_finite(tree)
+    assert result.dtype == torch.bool and result.dim() == 0
+    assert bool(result) == all(math.isfinite(v) for row in rows for v in row)
+
+
+def test_all_finite_edge_cases() -> None:
+    assert bool(fmp.all_finite({}))
+    assert bool(fmp.all_finite([None, 3, torch.tensor([1, 2])]))  # ints are finite; non-tensors ignored
+    assert not bool(fmp.all_finite([torch.ones(2), torch.tensor([1.0, float("nan")], dtype=torch.bfloat16)]))
+    assert not bool(fmp.all_finite(torch.tensor(float("-inf"), dtype=torch.float16)))
+
+
+@given(st.booleans(), st.lists(values, min_size=1, max_size=6), st.lists(values, min_size=1, max_size=6))
+def test_select_tree_returns_the_chosen_side_bit_for_bit(pred: bool, a: list[float], b: list[float]) -> None:
+    n = min(len(a), len(b))
+    left = {"x": torch.tensor(a[:n]), "n": 7, "k": torch.arange(n)}
+    right = {"x": torch.tensor(b[:n]), "n": 7, "k": torch.arange(n) * 2}
+    out = fmp.select_tree(torch.tensor(pred), left, right)
+    chosen = left if pred else right
+    assert torch.equal(bits(out["x"]), bits(chosen["x"]))
+    assert torch.equal(out["k"], chosen["k"]) and out["n"] == 7
+
+
+def test_select_tree_rejects_mismatched_trees() -> None:
+    yes = torch.tensor(True)
+    with pytest.raises(ValueError, match="one structure"):
+        fmp.select_tree(yes, {"a": torch.ones(1)}, {"b": torch.ones(1)})
+    with pytest.raises(ValueError, match=r"leaf \['a'\] is torch.float32\[2\] on one side"):
+        fmp.select_tree(yes, {"a": torch.ones(2)}, {"a": torch.ones(3)})
+    with pytest.raises(ValueError, match="non-tensor leaf"):
+        fmp.select_tree(yes, {"a": 1}, {"a": 2})
+    with pytest.raises(ValueError, match="tensor on one side only"):
+        fmp.select_tree(yes, {"a": 1.0}, {"a": torch.ones(())})
+    with pytest.raises(ValueError, match="pred must be a 0-dim bool"):
+        fmp.select_tree(torch.tensor([True]), {}, {})
+    with pytest.raises(TypeError, match="pred must be a 0-dim bool"):
+        fmp.select_tree(True, {}, {})  # type: ignore[arg-type]
