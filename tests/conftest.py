@@ -49,17 +49,17 @@ def assert_trees_close(a: Any, b: Any, **tolerance: float) -> None:
         torch.testing.assert_close(x, y, **tolerance)
 
 
-def snapshot(tree: Any) -> Any:
-    """A deep copy of every tensor leaf, with each leaf's version counter, to detect mutation."""
-    return pytree.tree_map(lambda x: (x.clone(), x._version) if isinstance(x, torch.Tensor) else x, tree)
+def snapshot(tree: Any) -> list[tuple[torch.Tensor, int]]:
+    """A copy of every tensor leaf with its version counter, to detect mutation later."""
+    return [(x.clone(), x._version) for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
 
 
-def assert_unmutated(tree: Any, before: Any) -> None:
-    for x, saved in zip(pytree.tree_leaves(tree), pytree.tree_leaves(before, is_leaf=lambda v: isinstance(v, tuple))):
-        if isinstance(x, torch.Tensor):
-            copy, version = saved
-            assert x._version == version, "an input tensor was modified in place"
-            assert torch.equal(bits(x), bits(copy))
+def assert_unmutated(tree: Any, before: list[tuple[torch.Tensor, int]]) -> None:
+    tensors = [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+    assert len(tensors) == len(before)
+    for x, (copy, version) in zip(tensors, before, strict=True):
+        assert x._version == version, "an input tensor was modified in place"
+        assert torch.equal(bits(x), bits(copy))
 
 
 def mlp_params(width: int = 8, out: int = 1, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from conftest import TOLERANCES
+from conftest import assert_unmutated
+from conftest import snapshot
+
+import fmp
+
+SGD_CONFIGS = [
+    {"lr": 0.1},
+    {"lr": 0.1, "weight_decay": 0.01},
+    {"lr": 0.05, "momentum": 0.9},
+    {"lr": 0.05, "momentum": 0.9, "dampening": 0.3, "weight_decay": 1e-3},
+    {"lr": 0.05, "momentum": 0.8, "nesterov": True},
+]
+ADAM_CONFIGS = [
+    {"lr": 1e-2},
+    {"lr": 1e-2, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1},
+]
+
+CASES: list[tuple[str, Callable[..., fmp.optim.Optimizer], type[torch.optim.Optimizer], dict[str, Any]]] = [
+    *[("sgd", fmp.optim.sgd, torch.optim.SGD, c) for c in SGD_CONFIGS],
+    *[("adam", fmp.optim.adam, torch.optim.Adam, c) for c in ADAM_CONFIGS],
+    *[("adamw", fmp.optim.adamw, torch.optim.AdamW, c) for c in ADAM_CONFIGS],
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "ours", "theirs", "config"), CASES, ids=lambda v: str(v) if isinstance(v, dict) else ""
+)
+def test_matches_torch_optim(
+    name: str,
+    ours: Callable[..., fmp.optim.Optimizer],
+    theirs: type[torch.optim.Optimizer],
+    config: dict[str, Any],
+) -> None:
+    gen = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(5, 4, generator=gen), "b": torch.randn(4, generator=gen)}
+    reference = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
+    torch_opt = theirs(list(reference.values()), **config)
+    optimizer = ours(**config)
+    state = optimizer.init(params)
+    for _ in range(12):
+        grads = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+        for k, p in reference.items():
+            p.grad = grads[k].clone()
+        torch_opt.step()
+        inputs = (grads, state, params)
+        before = snapshot(inputs)
+        params, state = optimizer.update(grads, state, params)
+        assert_unmutated(inputs, before)
+    for k, p in reference.items():
+        torch.testing.assert_close(params[k], p.detach(), **TOLERANCES[torch.float32])
+
+
+def test_stateless_sgd_has_empty_state_and_stateful_ones_count_steps() -> None:
+    params = {"w": torch.ones(2)}
+    assert fmp.optim.sgd(0.1).init(params) == ()
+    state = fmp.optim.sgd(0.1, momentum=0.9).init(params)
+    assert isinstance(state, fmp.optim.SgdState) and int(state.step) == 0
+    adam_state = fmp.optim.adamw().init(params)
+    _, adam_state = fmp.optim.adamw().update({"w": torch.ones(2)}, adam_state, params)
+    assert int(adam_state.step) == 1 and adam_state.step.dtype == torch.int32
+
+
+@pytest.mark.parametrize(
+    ("factory", "kwargs", "message"),
+    [
+        (fmp.optim.sgd, {"lr": -1.0}, r"lr must be in \[0.0, inf\)"),
+        (fmp.optim.sgd, {"lr": 0.1, "momentum": 1.0}, r"momentum must be in \[0.0, 1.0\)"),
+        (fmp.optim.sgd, {"lr": 0.1, "nesterov": True}, "nesterov momentum needs momentum > 0"),
+        (fmp.optim.sgd, {"lr": "fast"}, "lr must be a float"),
+        (fmp.optim.adamw, {"betas": (0.9, 1.0)}, r"betas\[1\] must be in"),
+        (fmp.optim.adamw, {"betas": 0.9}, "betas must be a pair"),
+        (fmp.optim.adam, {"eps": -1e-8}, "eps must be in"),
+        (fmp.optim.adamw, {"weight_decay": -0.1}, "weight_decay must be in"),
+    ],
+)
+def test_bad_hyperparameters_are_named(factory: Callable[..., Any], kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=message):
+        factory(**kwargs)

@@ -1,0 +1,167 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import POLICIES
+from conftest import TOLERANCES
+from conftest import assert_trees_bitwise_equal
+from conftest import assert_unmutated
+from conftest import mlp_loss
+from conftest import mlp_params
+from conftest import snapshot
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fmp
+
+OPTIMIZERS = {
+    "sgd": fmp.optim.sgd(0.1),
+    "sgd_momentum": fmp.optim.sgd(0.1, momentum=0.9, nesterov=True),
+    "adamw": fmp.optim.adamw(1e-2),
+}
+
+
+def batch(seed: int = 1, n: int = 16, width: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, width, generator=gen), torch.randn(n, 1, generator=gen)
+
+
+@pytest.mark.parametrize("policy_spec", POLICIES)
+@pytest.mark.parametrize("optimizer_name", list(OPTIMIZERS))
+def test_step_applies_an_update_and_keeps_inputs(policy_spec: str, optimizer_name: str) -> None:
+    policy, optimizer = fmp.get_policy(policy_spec), OPTIMIZERS[optimizer_name]
+    # A float16 loss cannot carry a gradient seed above 65504, so start below torch's 2**16.
+    scaler = fmp.DynamicLossScale.create(init_scale=2.0**10, growth_interval=1)
+    state = fmp.TrainState.create(mlp_params(), optimizer, scaler)
+    x, y = batch()
+    before = snapshot((state, x, y))
+    new_state, info = fmp.train_step(mlp_loss, state, x, y, policy=policy, optimizer=optimizer)
+    assert_unmutated((state, x, y), before)
+    assert bool(info.grads_finite) and info.loss.dtype == policy.output_dtype and info.loss.dim() == 0
+    assert float(info.loss_scale) == 2.0**10 and float(new_state.scaler.loss_scale) == 2.0**11
+    for name, param in new_state.params.items():
+        assert param.dtype == policy.param_dtype
+        assert not torch.equal(param, state.params[name]) or name.startswith("b")
+    expected = mlp_loss(policy.cast_to_compute(state.params), *policy.cast_to_compute((x, y))).float()
+    torch.testing.assert_close(info.loss.float(), expected, **TOLERANCES[policy.compute_dtype])
+
+
+@given(
+    st.sampled_from(list(OPTIMIZERS)),
+    st.sampled_from(POLICIES),
+    st.sampled_from([float("inf"), float("-inf"), float("nan")]),
+    st.integers(0, 16 * 8 - 1),
+    st.integers(0, 3),
+)
+def test_non_finite_gradients_never_change_params_or_optimizer_state(
+    optimizer_name: str, policy_spec: str, bad: float, position: int, warmup: int
+) -> None:
+    policy, optimizer = fmp.get_policy(policy_spec), OPTIMIZERS[optimizer_name]
+    state = fmp.TrainState.create(mlp_params(), optimizer, fmp.DynamicLossScale.create(init_scale=2.0**10))
+    x, y = batch()
+    for _ in range(warmup):  # non-trivial optimizer state first
+        state, _ = fmp.train_step(mlp_loss, state, x, y, policy=policy, optimizer=optimizer)
+    x_bad = x.clone()
+    x_bad.view(-1)[position] = bad
+    new_state, info = fmp.train_step(mlp_loss, state, x_bad, y, policy=policy, optimizer=optimizer)
+    assert not bool(info.grads_finite)
+    assert_trees_bitwise_equal((new_state.params, new_state.opt_state), (state.params, state.opt_state))
+    assert float(new_state.scaler.loss_scale) == float(state.scaler.loss_scale) / 2
+
+
+def test_overflow_in_the_scaled_loss_alone_is_caught() -> None:
+    # Finite data, but the scale pushes float16 gradients past 65504: the step must skip and back off.
+    policy = fmp.get_policy("params=float32,compute=float16,output=float32")
+    state = fmp.TrainState.create(mlp_params(), fmp.optim.sgd(0.1), fmp.DynamicLossScale.create(init_scale=2.0**40))
+    new_state, info = fmp.train_step(mlp_loss, state, *batch(), policy=policy, optimizer=fmp.optim.sgd(0.1))
+    assert not bool(info.grads_finite)
+    assert_trees_bitwise_equal(new_state.params, state.params)
+    assert float(new_state.scaler.loss_scale) == 2.0**39
+
+
+@given(st.integers(-12, 40))
+def test_power_of_two_scaling_gives_bitwise_the_unscaled_gradients(exponent: int) -> None:
+    policy = fmp.Policy()
+    params, (x, y) = mlp_params(), batch()
+    scaled = fmp.mixed_precision_grad(mlp_loss, params, fmp.StaticLossScale.create(2.0**exponent), x, y, policy=policy)
+    plain = fmp.mixed_precision_grad(mlp_loss, params, fmp.NoOpLossScale(), x, y, policy=policy)
+    assert_trees_bitwise_equal(scaled.grads, plain.grads)
+    assert_trees_bitwise_equal(scaled.loss, plain.loss)
+    reference = torch.func.grad(mlp_loss)(params, x, y)
+    assert_trees_bitwise_equal(plain.grads, reference)
+
+
+def test_grads_come_back_in_the_param_dtype_and_args_are_cast() -> None:
+    seen: dict[str, torch.dtype] = {}
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        seen.update(w=params["w1"].dtype, x=x.dtype, labels=labels.dtype)
+        return mlp_loss(params, x, torch.ones(x.shape[0], 1, dtype=x.dtype))
+
+    policy = fmp.get_policy("p=f32,c=bf16,o=f32")
+    labels = torch.arange(16)
+    out = fmp.mixed_precision_grad(loss_fn, mlp_params(), fmp.NoOpLossScale(), batch()[0], labels, policy=policy)
+    assert seen == {"w": torch.bfloat16, "x": torch.bfloat16, "labels": torch.int64}
+    assert all(g.dtype == torch.float32 for g in out.grads.values())
+    assert out.loss.dtype == torch.float32
+
+
+def test_has_aux_returns_the_auxiliary_output() -> None:
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        loss = mlp_loss(params, x, y)
+        return loss, {"double": loss * 2}
+
+    optimizer = fmp.optim.sgd(0.1)
+    state = fmp.TrainState.create(mlp_params(), optimizer, fmp.DynamicLossScale.create())
+    policy = fmp.Policy()
+    _, info = fmp.train_step(loss_fn, state, *batch(), policy=policy, optimizer=optimizer, has_aux=True)
+    torch.testing.assert_close(info.aux["double"], info.loss * 2)
+    _, plain = fmp.train_step(mlp_loss, state, *batch(), policy=policy, optimizer=optimizer)
+    assert plain.aux == ()
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "has_aux", "error", "message"),
+    [
+        (lambda p, x, y: (x @ p["w1"]).sum(dim=1), False, ValueError, r"scalar \(0-dim\) loss, got shape \(16,\)"),
+        (lambda p, x, y: 1.0, False, TypeError, "must return a scalar tensor, got float"),
+        (lambda p, x, y: torch.tensor(3), False, TypeError, "floating-point loss, got torch.int64"),
+        (lambda p, x, y: mlp_loss(p, x, y), True, TypeError, "must return \\(loss, aux\\)"),
+        (lambda p, x, y: (mlp_loss(p, x, y), 1, 2), True, TypeError, "must return \\(loss, aux\\)"),
+    ],
+)
+def test_bad_loss_functions_get_clear_errors(loss_fn: Any, has_aux: bool, error: type, message: str) -> None:
+    optimizer = fmp.optim.sgd(0.1)
+    state = fmp.TrainState.create(mlp_params(), optimizer, fmp.DynamicLossScale.create())
+    with pytest.raises(error, match=message):
+        fmp.train_step(loss_fn, state, *batch(), policy=fmp.Policy(), optimizer=optimizer, has_aux=has_aux)
+
+
+def test_mixed_precision_step_short_form() -> None:
+    params, scaler, (x, y) = mlp_params(), fmp.DynamicLossScale.create(), batch()
+    policy, optimizer = fmp.get_policy("p=f32,c=bf16,o=f32"), fmp.optim.sgd(0.01)
+    new_params, new_scaler = fmp.mixed_precision_step(
+        mlp_loss, params, scaler, x, y, policy=policy, optimizer=optimizer
+    )
+    state, _ = fmp.train_step(
+        mlp_loss, fmp.TrainState.create(params, optimizer, scaler), x, y, policy=policy, optimizer=optimizer
+    )
+    assert_trees_bitwise_equal((new_params, new_scaler), (state.params, state.scaler))
+    with pytest.raises(ValueError, match=r"takes a stateless optimizer.*use fmp\.train_step"):
+        fmp.mixed_precision_step(mlp_loss, params, scaler, x, y, policy=policy, optimizer=fmp.optim.adamw())
+
+
+def test_a_training_run_converges_under_every_policy() -> None:
+    x, y = batch(n=64)
+    finals = {}
+    for spec in POLICIES:
+        policy, optimizer = fmp.get_policy(spec), fmp.optim.adamw(3e-2, weight_decay=0.0)
+        state = fmp.TrainState.create(mlp_params(), optimizer, fmp.DynamicLossScale.create(growth_interval=10))
+        for _ in range(60):
+            state, info = fmp.train_step(mlp_loss, state, x, y, policy=policy, optimizer=optimizer)
+        finals[policy.compute_dtype] = float(mlp_loss(state.params, x, y))
+        assert float(info.loss) < 0.75 * float(mlp_loss(mlp_params(), x, y))
+    for dtype in (torch.bfloat16, torch.float16):
+        assert finals[dtype] == pytest.approx(finals[torch.float32], rel=0.1)
