@@ -36,6 +36,14 @@ _KEYS |= {"output": "output_dtype", "o": "output_dtype"}
 _BFLOAT16_DEVICE_TYPES = frozenset({"cpu", "xla", "xpu", "hpu"})
 
 
+def _accelerator_type() -> str:
+    # torch.accelerator arrived in torch 2.6; fmp supports 2.5, where CUDA is the accelerator to ask about.
+    if hasattr(torch, "accelerator"):
+        accelerator = torch.accelerator.current_accelerator()
+        return "cpu" if accelerator is None else accelerator.type
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def half_dtype(device_type: str | None = None) -> torch.dtype:
     """Returns the platform's 16-bit float: bfloat16 on CPU (and XLA, XPU, HPU), float16 elsewhere.
 
@@ -47,8 +55,7 @@ def half_dtype(device_type: str | None = None) -> torch.dtype:
         torch.bfloat16 or torch.float16.
     """
     if device_type is None:
-        accelerator = torch.accelerator.current_accelerator()
-        device_type = "cpu" if accelerator is None else accelerator.type
+        device_type = _accelerator_type()
     return torch.bfloat16 if device_type in _BFLOAT16_DEVICE_TYPES else torch.float16
 
 

@@ -14,7 +14,10 @@ from typing import TypeVar
 import torch
 import torch.utils._pytree as pytree
 
+from fmp.loss_scale import DynamicLossScale
 from fmp.loss_scale import LossScale
+from fmp.loss_scale import NoOpLossScale
+from fmp.loss_scale import StaticLossScale
 from fmp.optim._base import Optimizer
 from fmp.policy import Policy
 from fmp.tree import all_finite
@@ -89,6 +92,15 @@ def _check_loss(loss: Any) -> torch.Tensor:
     return loss
 
 
+def _check_config(scaler: Any, policy: Any) -> None:
+    if not isinstance(scaler, NoOpLossScale | StaticLossScale | DynamicLossScale):
+        raise TypeError(
+            f"scaler must be an fmp loss-scale state (e.g. DynamicLossScale.create()), got {type(scaler).__name__}"
+        )
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be an fmp.Policy (e.g. fmp.get_policy('c=bf16')), got {type(policy).__name__}")
+
+
 def mixed_precision_grad(
     loss_fn: LossFn, params: Any, scaler: LossScale, *args: Any, policy: Policy, has_aux: bool = False
 ) -> Gradients:
@@ -110,8 +122,10 @@ def mixed_precision_grad(
         A `Gradients` tuple.
 
     Raises:
-        TypeError, ValueError: If `loss_fn` returns anything but a 0-dim floating loss (and aux).
+        TypeError, ValueError: If `loss_fn` returns anything but a 0-dim floating loss (and aux), or
+            `scaler` or `policy` is of the wrong type.
     """
+    _check_config(scaler, policy)
 
     def scaled_loss_fn(params: Any, *args: Any) -> tuple[torch.Tensor, tuple[Any, ...]]:
         out = loss_fn(policy.cast_to_compute(params), *policy.cast_to_compute(args))
@@ -147,7 +161,16 @@ def train_step(
 
     Returns:
         `(new_state, info)`; `info.grads_finite` says whether the update was applied.
+
+    Raises:
+        TypeError: If `state` is not a TrainState or `optimizer` not an Optimizer.
     """
+    if not isinstance(state, TrainState):
+        raise TypeError(f"state must be an fmp.TrainState (TrainState.create(...)), got {type(state).__name__}")
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"optimizer must be an fmp.optim.Optimizer (e.g. fmp.optim.adamw()), got {type(optimizer).__name__}"
+        )
     params, opt_state, scaler = state
     grads, grads_finite, loss, aux = mixed_precision_grad(
         loss_fn, params, scaler, *args, policy=policy, has_aux=has_aux
@@ -180,6 +203,10 @@ def mixed_precision_step(
     Raises:
         ValueError: If the optimizer keeps state.
     """
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"optimizer must be an fmp.optim.Optimizer (e.g. fmp.optim.sgd(0.1)), got {type(optimizer).__name__}"
+        )
     opt_state = optimizer.init(params)
     if pytree.tree_leaves(opt_state):
         raise ValueError(

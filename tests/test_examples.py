@@ -8,12 +8,14 @@ import sys
 from pathlib import Path
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+# Warnings are errors, as in pytest's own settings, except the one torch's inductor raises at import.
+PYTHON = [sys.executable, "-W", "error", "-W", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"]
 
 
 def test_seed_recipe_demo_runs_and_tracks_torch_amp() -> None:
     args = ["--width", "32", "--batch", "16", "--batches", "3", "--epochs", "3"]
     result = subprocess.run(
-        [sys.executable, "-W", "error", str(EXAMPLES / "seed_recipe.py"), *args],
+        [*PYTHON, str(EXAMPLES / "seed_recipe.py"), *args],
         capture_output=True,
         text=True,
         check=True,
@@ -28,3 +30,11 @@ def test_seed_recipe_demo_runs_and_tracks_torch_amp() -> None:
     for (fmp_loss, _), (amp_loss, _) in zip(by_run["fmp"], by_run["torch.amp"], strict=True):
         assert abs(fmp_loss - amp_loss) <= 3e-2 * abs(amp_loss)
     assert "fmp / torch.amp time:" in result.stdout
+
+
+def test_readme_quickstart_runs() -> None:
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    quickstart = readme.split("## Quickstart", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    result = subprocess.run([*PYTHON, "-c", quickstart], capture_output=True, text=True, check=True, timeout=300)
+    loss, scale = map(float, result.stdout.split())
+    assert loss > 0 and scale == 2.0**16

@@ -81,6 +81,40 @@ def test_overflow_in_the_scaled_loss_alone_is_caught() -> None:
     assert float(new_state.scaler.loss_scale) == 2.0**39
 
 
+SCALERS = {
+    "noop": fmp.NoOpLossScale(),
+    "static": fmp.StaticLossScale.create(2.0**8),
+    "dynamic": fmp.DynamicLossScale.create(init_scale=2.0**8, growth_interval=1),
+}
+
+
+@given(
+    st.sampled_from(list(OPTIMIZERS)),
+    st.sampled_from(POLICIES),
+    st.sampled_from(list(SCALERS)),
+    st.booleans(),
+    st.booleans(),
+)
+def test_steps_never_mutate_their_inputs(
+    optimizer_name: str, policy_spec: str, scaler_name: str, overflow: bool, warm: bool
+) -> None:
+    policy, optimizer = fmp.get_policy(policy_spec), OPTIMIZERS[optimizer_name]
+    state = fmp.TrainState.create(mlp_params(), optimizer, SCALERS[scaler_name])
+    x, y = batch()
+    if warm:
+        state, _ = fmp.train_step(mlp_loss, state, x, y, policy=policy, optimizer=optimizer)
+    if overflow:
+        x[3, 3] = float("inf")
+    before = snapshot((state, x, y))
+    new_state, info = fmp.train_step(mlp_loss, state, x, y, policy=policy, optimizer=optimizer)
+    assert_unmutated((state, x, y), before)
+    assert bool(info.grads_finite) is not overflow
+    scaler_and_x = snapshot((state.scaler, x))
+    state.scaler.adjust(info.grads_finite)
+    state.scaler.unscale(state.scaler.scale(x))
+    assert_unmutated((state.scaler, x), scaler_and_x)
+
+
 @given(st.integers(-12, 40))
 def test_power_of_two_scaling_gives_bitwise_the_unscaled_gradients(exponent: int) -> None:
     policy = fmp.Policy()
@@ -165,3 +199,19 @@ def test_a_training_run_converges_under_every_policy() -> None:
         assert float(info.loss) < 0.75 * float(mlp_loss(mlp_params(), x, y))
     for dtype in (torch.bfloat16, torch.float16):
         assert finals[dtype] == pytest.approx(finals[torch.float32], rel=0.1)
+
+
+def test_wrong_argument_types_are_named() -> None:
+    optimizer, scaler, policy = fmp.optim.sgd(0.1), fmp.DynamicLossScale.create(), fmp.Policy()
+    state = fmp.TrainState.create(mlp_params(), optimizer, scaler)
+    x, y = batch()
+    with pytest.raises(TypeError, match="state must be an fmp.TrainState"):
+        fmp.train_step(mlp_loss, (state.params, (), scaler), x, y, policy=policy, optimizer=optimizer)
+    with pytest.raises(TypeError, match="optimizer must be an fmp.optim.Optimizer"):
+        fmp.train_step(mlp_loss, state, x, y, policy=policy, optimizer=torch.optim.SGD)
+    with pytest.raises(TypeError, match="optimizer must be an fmp.optim.Optimizer"):
+        fmp.mixed_precision_step(mlp_loss, state.params, scaler, x, y, policy=policy, optimizer="sgd")
+    with pytest.raises(TypeError, match="scaler must be an fmp loss-scale state"):
+        fmp.mixed_precision_grad(mlp_loss, state.params, torch.amp.GradScaler("cpu"), x, y, policy=policy)
+    with pytest.raises(TypeError, match="policy must be an fmp.Policy"):
+        fmp.mixed_precision_grad(mlp_loss, state.params, scaler, x, y, policy="c=bf16")
