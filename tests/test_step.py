@@ -106,7 +106,7 @@ def test_steps_never_mutate_their_inputs(
     if overflow:
         x[3, 3] = float("inf")
     before = snapshot((state, x, y))
-    new_state, info = fmp.train_step(mlp_loss, state, x, y, policy=policy, optimizer=optimizer)
+    _, info = fmp.train_step(mlp_loss, state, x, y, policy=policy, optimizer=optimizer)
     assert_unmutated((state, x, y), before)
     assert bool(info.grads_finite) is not overflow
     scaler_and_x = snapshot((state.scaler, x))
@@ -205,13 +205,13 @@ def test_wrong_argument_types_are_named() -> None:
     optimizer, scaler, policy = fmp.optim.sgd(0.1), fmp.DynamicLossScale.create(), fmp.Policy()
     state = fmp.TrainState.create(mlp_params(), optimizer, scaler)
     x, y = batch()
-    with pytest.raises(TypeError, match="state must be an fmp.TrainState"):
+    with pytest.raises(TypeError, match=r"state must be an fmp\.TrainState"):
         fmp.train_step(mlp_loss, (state.params, (), scaler), x, y, policy=policy, optimizer=optimizer)
-    with pytest.raises(TypeError, match="optimizer must be an fmp.optim.Optimizer"):
+    with pytest.raises(TypeError, match=r"optimizer must be an fmp\.optim\.Optimizer"):
         fmp.train_step(mlp_loss, state, x, y, policy=policy, optimizer=torch.optim.SGD)
-    with pytest.raises(TypeError, match="optimizer must be an fmp.optim.Optimizer"):
+    with pytest.raises(TypeError, match=r"optimizer must be an fmp\.optim\.Optimizer"):
         fmp.mixed_precision_step(mlp_loss, state.params, scaler, x, y, policy=policy, optimizer="sgd")
     with pytest.raises(TypeError, match="scaler must be an fmp loss-scale state"):
         fmp.mixed_precision_grad(mlp_loss, state.params, torch.amp.GradScaler("cpu"), x, y, policy=policy)
-    with pytest.raises(TypeError, match="policy must be an fmp.Policy"):
+    with pytest.raises(TypeError, match=r"policy must be an fmp\.Policy"):
         fmp.mixed_precision_grad(mlp_loss, state.params, scaler, x, y, policy="c=bf16")
