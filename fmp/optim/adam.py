@@ -49,9 +49,11 @@ def _adam(lr: float, betas: tuple[float, float], eps: float, weight_decay: float
         bias_correction2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, step.to(torch.float32)))
         step_size = lr / bias_correction1
         if not decoupled and weight_decay:
-            grads = pytree.tree_map(lambda g, p: g + weight_decay * p, grads, params)
+            grads = pytree.tree_map(lambda g, p: torch.add(g, p, alpha=weight_decay), grads, params)
         exp_avg = pytree.tree_map(lambda m, g: torch.lerp(m, g, 1.0 - beta1), state.exp_avg, grads)
-        exp_avg_sq = pytree.tree_map(lambda v, g: beta2 * v + (1.0 - beta2) * g * g, state.exp_avg_sq, grads)
+        exp_avg_sq = pytree.tree_map(
+            lambda v, g: torch.addcmul(v * beta2, g, g, value=1.0 - beta2), state.exp_avg_sq, grads
+        )
 
         def new_param(param: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if decoupled and weight_decay:

@@ -60,7 +60,7 @@ def sgd(
         raise ValueError("nesterov momentum needs momentum > 0 and dampening == 0")
 
     def direction(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-        return grad + weight_decay * param if weight_decay else grad
+        return torch.add(grad, param, alpha=weight_decay) if weight_decay else grad
 
     if momentum == 0.0:
 
@@ -69,7 +69,7 @@ def sgd(
             return ()
 
         def update_stateless(grads: Any, state: tuple[()], params: Any) -> tuple[Any, tuple[()]]:
-            new_params = pytree.tree_map(lambda g, p: p - lr * direction(g, p), grads, params)
+            new_params = pytree.tree_map(lambda g, p: torch.add(p, direction(g, p), alpha=-lr), grads, params)
             return new_params, state
 
         return Optimizer(init_stateless, update_stateless)
@@ -83,13 +83,13 @@ def sgd(
 
         def new_buffer(grad: torch.Tensor, param: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
             d = direction(grad, param)
-            return torch.where(first_step, d, momentum * buf + (1.0 - dampening) * d)
+            return torch.where(first_step, d, torch.add(buf * momentum, d, alpha=1.0 - dampening))
 
         buffers = pytree.tree_map(new_buffer, grads, params, state.momentum)
 
         def new_param(grad: torch.Tensor, param: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-            step = direction(grad, param) + momentum * buf if nesterov else buf
-            return param - lr * step
+            step = torch.add(direction(grad, param), buf, alpha=momentum) if nesterov else buf
+            return torch.add(param, step, alpha=-lr)
 
         return pytree.tree_map(new_param, grads, params, buffers), SgdState(state.step + 1, buffers)
 
