@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -23,14 +25,10 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import fmp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from seed_recipe import make_model
+
 Step = Callable[[torch.Tensor, torch.Tensor], object]
-
-
-def make_model(width: int, layers: int) -> nn.Sequential:
-    blocks: list[nn.Module] = []
-    for _ in range(layers - 1):
-        blocks += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*blocks, nn.Linear(width, width))
 
 
 def torch_amp_step(model: nn.Module, dtype: torch.dtype) -> Step:

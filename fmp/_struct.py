@@ -31,14 +31,16 @@ def static_field(**kwargs: Any) -> Any:
     return dataclasses.field(metadata={_STATIC: True}, **kwargs)
 
 
-@dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field, static_field))
+@dataclass_transform(frozen_default=True, eq_default=False, field_specifiers=(dataclasses.field, static_field))
 def pytree_dataclass(cls: type[T]) -> type[T]:
     """Makes `cls` a frozen dataclass registered as a pytree node with torch and optree.
 
     The constructor stays trivial (unflattening calls it with whatever the leaves are, including
     batched or fake tensors); validation belongs in a `create()` classmethod.
     """
-    data_cls = dataclasses.dataclass(frozen=True)(cls)
+    # eq=False: a value comparison of tensor fields would read them on the host (and fails on
+    # batched states); identity equality and hashing stay consistent.
+    data_cls = dataclasses.dataclass(frozen=True, eq=False)(cls)
     fields = dataclasses.fields(data_cls)  # type: ignore[arg-type]
     leaf_names = tuple(f.name for f in fields if not f.metadata.get(_STATIC, False))
     static_names = tuple(f.name for f in fields if f.metadata.get(_STATIC, False))

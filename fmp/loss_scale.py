@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import struct
+import numbers
 from typing import Any
 from typing import TypeVar
 from typing import cast
@@ -16,10 +16,12 @@ from typing import cast
 import torch
 import torch.utils._pytree as pytree
 
+from fmp._checks import check_int
+from fmp._checks import check_real
 from fmp._struct import pytree_dataclass
 from fmp._struct import static_field
 from fmp.tree import check_finite_flag
-from fmp.tree import is_floating_tensor
+from fmp.tree import is_inexact_tensor
 
 __all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale"]
 
@@ -27,45 +29,45 @@ Tree = TypeVar("Tree")
 
 _FLOAT32_TINY = torch.finfo(torch.float32).tiny
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+_INT32_MAX = torch.iinfo(torch.int32).max
 
 
-def _scale_tree(tree: Tree, factor: torch.Tensor) -> Tree:
-    """Multiplies floating leaves by `factor` with torch's type promotion (as GradScaler.scale)."""
-    return cast(Tree, pytree.tree_map(lambda x: x * factor if is_floating_tensor(x) else x, tree))
+def _multiply_leaves(tree: Tree, factor: torch.Tensor, *, keep_dtype: bool) -> Tree:
+    """Multiplies the floating and complex leaves of `tree` by the 0-dim float32 `factor`.
 
-
-def _unscale_tree(tree: Tree, inv_scale: torch.Tensor) -> Tree:
-    """Multiplies floating leaves by `inv_scale`, keeping each leaf's dtype (grads must match params)."""
-
-    def unscale_leaf(x: Any) -> Any:
-        return (x * inv_scale).to(x.dtype) if is_floating_tensor(x) else x
-
-    return cast(Tree, pytree.tree_map(unscale_leaf, tree))
-
-
-def _inverse(scale: torch.Tensor) -> torch.Tensor:
-    # GradScaler forms 1/scale in double and rounds once to float32; doing the same keeps unscaled
-    # gradients bit-identical to torch's.
-    return scale.double().reciprocal().float()
-
-
-def _is_float32(value: float) -> bool:
-    """Whether `value` is exactly representable as a float32 (checked in Python: no tensor involved)."""
-    try:
-        return bool(struct.unpack("f", struct.pack("f", value))[0] == value)
-    except OverflowError:
-        return False
-
-
-def _multiply_like_torch(scale: torch.Tensor, factor: float) -> torch.Tensor:
-    """Returns float32(scale * factor) rounded as torch's `_amp_update_scale_` kernel rounds it.
-
-    The kernel multiplies a float by a double factor. When the factor is exactly a float32 (2.0, 0.5)
-    a float32 multiply rounds identically; otherwise the product is formed in float64 first.
+    The product is formed in at least float32 (as GradScaler's kernels do), so a float16 leaf is
+    neither flushed by a tiny factor nor overflowed by a large one before rounding back. The result
+    keeps each leaf's dtype with `keep_dtype`, else follows torch's type promotion (a 0-dim float16
+    loss times the float32 scale is float32, as in GradScaler.scale).
     """
-    if _is_float32(factor):
-        return scale * factor
-    return (scale.double() * factor).float()
+
+    def multiply(x: Any) -> Any:
+        if not is_inexact_tensor(x):
+            return x
+        compute_dtype = torch.promote_types(x.dtype, factor.dtype)
+        # torch.result_type(x, factor), spelled so Dynamo can trace it: a 0-dim factor widens only a
+        # 0-dim x (dimensioned tensors win type promotion within a category).
+        out_dtype = x.dtype if keep_dtype or x.dim() > 0 else compute_dtype
+        return (x.to(compute_dtype) * factor).to(out_dtype)
+
+    return cast(Tree, pytree.tree_map(multiply, tree))
+
+
+class _TensorScale:
+    """`scale` and `unscale` for states whose `loss_scale` field is a 0-dim float32 tensor."""
+
+    loss_scale: torch.Tensor
+
+    def scale(self, tree: Tree) -> Tree:
+        """Multiplies floating leaves by the scale, with torch's type promotion (as GradScaler.scale)."""
+        return _multiply_leaves(tree, self.loss_scale, keep_dtype=False)
+
+    def unscale(self, tree: Tree) -> Tree:
+        """Multiplies floating leaves by 1/scale, keeping each leaf's dtype."""
+        # GradScaler forms 1/scale in double and rounds once to float32; doing the same keeps unscaled
+        # gradients bit-identical to torch's.
+        inverse = self.loss_scale.double().reciprocal().float()
+        return _multiply_leaves(tree, inverse, keep_dtype=True)
 
 
 @pytree_dataclass
@@ -91,25 +93,34 @@ class NoOpLossScale:
         return self
 
 
-def _scale_tensor(value: float | torch.Tensor, name: str, device: torch.device | str | None) -> torch.Tensor:
-    """Validates a positive finite scale given as a float or a 0-dim tensor; returns a float32 tensor."""
+def _scale_tensor(value: Any, name: str, device: torch.device | str | None) -> torch.Tensor:
+    """Validates a scale given as a number or 0-dim tensor; returns it as a float32 tensor.
+
+    The check is on the float32 value: it must be a normal number, so that it and 1/scale are finite.
+    """
     if isinstance(value, torch.Tensor):
         if value.dim() != 0 or not value.is_floating_point():
             raise ValueError(f"{name} must be a 0-dim floating tensor, got {value.dtype}{list(value.shape)}")
-        # Validation at construction syncs once with the host; steps never do.
-        number = float(value)
         device = value.device if device is None else device
-    elif isinstance(value, int | float) and not isinstance(value, bool):
+        # Validation at construction syncs once with the host; steps never do.
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    try:
         number = float(value)
-    else:
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    if not math.isfinite(number) or number <= 0:
-        raise ValueError(f"{name} must be positive and finite, got {number}")
-    return torch.tensor(number, dtype=torch.float32, device=device)
+    except OverflowError:  # an int too large for any float
+        number = math.inf
+    scale = torch.tensor(number, dtype=torch.float32, device=device)
+    if not _FLOAT32_TINY <= float(scale) <= _FLOAT32_MAX:
+        raise ValueError(
+            f"{name} must be a positive, normal float32 in [{_FLOAT32_TINY}, {_FLOAT32_MAX}], got {value} "
+            f"(a scale of 0, inf, NaN or a subnormal loses every gradient)"
+        )
+    return scale
 
 
 @pytree_dataclass
-class StaticLossScale:
+class StaticLossScale(_TensorScale):
     """A fixed loss scale.
 
     Attributes:
@@ -125,21 +136,13 @@ class StaticLossScale:
         Note: syncs with the host once when `loss_scale` is a tensor, to validate it.
 
         Args:
-            loss_scale: A positive, finite scale.
-            device: Where the scale tensor lives.
+            loss_scale: The scale; it must be a positive, normal float32.
+            device: Where the scale tensor lives (a tensor's own device by default, else CPU).
 
         Returns:
             The state.
         """
         return cls(_scale_tensor(loss_scale, "loss_scale", device))
-
-    def scale(self, tree: Tree) -> Tree:
-        """Multiplies floating leaves by the scale, with torch's type promotion (as GradScaler.scale)."""
-        return _scale_tree(tree, self.loss_scale)
-
-    def unscale(self, tree: Tree) -> Tree:
-        """Multiplies floating leaves by 1/scale, keeping each leaf's dtype."""
-        return _unscale_tree(tree, _inverse(self.loss_scale))
 
     def adjust(self, grads_finite: torch.Tensor) -> StaticLossScale:
         """Returns this state; `grads_finite` is only checked for type and shape."""
@@ -147,22 +150,8 @@ class StaticLossScale:
         return self
 
 
-def _check_factor(name: str, value: Any, low: float, high: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    if not (low < value < high):
-        raise ValueError(f"{name} must be in ({low}, {high}), got {value}")
-    return float(value)
-
-
-def _check_count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
 @pytree_dataclass
-class DynamicLossScale:
+class DynamicLossScale(_TensorScale):
     """A loss scale that backs off on overflow and grows after a run of finite steps.
 
     Attributes:
@@ -207,14 +196,17 @@ class DynamicLossScale:
         Note: syncs with the host once when `init_scale` is a tensor, to validate it.
 
         Args:
-            init_scale: The starting scale, positive and finite.
+            init_scale: The starting scale, a positive normal float32.
             growth_factor: Growth factor, > 1.
             backoff_factor: Backoff factor, in (0, 1).
-            growth_interval: Consecutive finite steps before each growth, >= 1.
-            min_scale: Floor of the scale, positive and finite.
-            max_scale: Ceiling of the scale, >= min_scale and finite.
-            hysteresis: Consecutive overflows before the scale backs off, >= 1 (DeepSpeed, Megatron).
-            device: Where the state's tensors live.
+            growth_interval: Consecutive finite steps before each growth, in [1, 2**31 - 1]; for a
+                scale that never grows use `StaticLossScale` or `max_scale=init_scale`.
+            min_scale: Floor of the scale, at least float32's smallest normal number.
+            max_scale: Ceiling of the scale, in [min_scale, float32 max].
+            hysteresis: Consecutive overflows before the scale backs off, >= 1 (DeepSpeed's
+                `hysteresis` with `consecutive_hysteresis=True`: any finite step resets the count).
+            device: Where the state's tensors live (a tensor `init_scale`'s own device by default,
+                else CPU); put it on the parameters' device.
 
         Returns:
             The state.
@@ -223,12 +215,8 @@ class DynamicLossScale:
             TypeError, ValueError: Naming the bad argument and its allowed range.
         """
         scale = _scale_tensor(init_scale, "init_scale", device)
-        growth_factor = _check_factor("growth_factor", growth_factor, 1.0, math.inf)
-        backoff_factor = _check_factor("backoff_factor", backoff_factor, 0.0, 1.0)
-        min_scale = _check_factor("min_scale", min_scale, 0.0, math.inf)
-        max_scale = _check_factor("max_scale", max_scale, 0.0, math.inf)
-        if min_scale > max_scale:
-            raise ValueError(f"min_scale ({min_scale}) must not exceed max_scale ({max_scale})")
+        min_scale = check_real("min_scale", min_scale, _FLOAT32_TINY, _FLOAT32_MAX, high_inclusive=True)
+        max_scale = check_real("max_scale", max_scale, min_scale, _FLOAT32_MAX, high_inclusive=True)
         if not min_scale <= float(scale) <= max_scale:
             raise ValueError(
                 f"init_scale ({float(scale)}) must lie in [min_scale, max_scale] = [{min_scale}, {max_scale}]"
@@ -238,21 +226,13 @@ class DynamicLossScale:
             loss_scale=scale,
             growth_tracker=zero,
             overflow_streak=zero.clone(),
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=_check_count("growth_interval", growth_interval),
+            growth_factor=check_real("growth_factor", growth_factor, 1.0, math.inf, low_inclusive=False),
+            backoff_factor=check_real("backoff_factor", backoff_factor, 0.0, 1.0, low_inclusive=False),
+            growth_interval=check_int("growth_interval", growth_interval, 1, _INT32_MAX),
             min_scale=min_scale,
             max_scale=max_scale,
-            hysteresis=_check_count("hysteresis", hysteresis),
+            hysteresis=check_int("hysteresis", hysteresis, 1, _INT32_MAX),
         )
-
-    def scale(self, tree: Tree) -> Tree:
-        """Multiplies floating leaves by the scale, with torch's type promotion (as GradScaler.scale)."""
-        return _scale_tree(tree, self.loss_scale)
-
-    def unscale(self, tree: Tree) -> Tree:
-        """Multiplies floating leaves by 1/scale (rounded as GradScaler does), keeping each leaf's dtype."""
-        return _unscale_tree(tree, _inverse(self.loss_scale))
 
     def adjust(self, grads_finite: torch.Tensor) -> DynamicLossScale:
         """Returns the state after one step whose gradients were finite or not; branch-free.
@@ -274,10 +254,12 @@ class DynamicLossScale:
         streak = self.overflow_streak + 1
         grow = grads_finite & (tracker >= self.growth_interval)
         back_off = ~grads_finite & (streak >= self.hysteresis)
-        grown = _multiply_like_torch(scale, self.growth_factor)
+        # torch's kernel multiplies the float scale by a double factor and rounds once to float; a
+        # float64 product of the two is that same double, so this is bit-identical to GradScaler.
+        grown = (scale.double() * self.growth_factor).float()
         # GradScaler keeps the old scale when growing would overflow float32.
         grown = torch.where(torch.isfinite(grown), grown, scale)
-        backed_off = _multiply_like_torch(scale, self.backoff_factor)
+        backed_off = (scale.double() * self.backoff_factor).float()
         new_scale = torch.where(grow, grown, torch.where(back_off, backed_off, scale))
         zero = torch.zeros_like(tracker)
         return dataclasses.replace(

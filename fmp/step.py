@@ -14,10 +14,7 @@ from typing import TypeVar
 import torch
 import torch.utils._pytree as pytree
 
-from fmp.loss_scale import DynamicLossScale
 from fmp.loss_scale import LossScale
-from fmp.loss_scale import NoOpLossScale
-from fmp.loss_scale import StaticLossScale
 from fmp.optim._base import Optimizer
 from fmp.policy import Policy
 from fmp.tree import all_finite
@@ -36,7 +33,7 @@ class Gradients(NamedTuple):
         grads: Unscaled gradients in the parameters' structure and dtype.
         grads_finite: 0-dim bool tensor, True when every gradient is finite after unscaling.
         loss: The unscaled loss, in the policy's output dtype.
-        aux: The loss function's auxiliary output (`()` unless `has_aux`, so vmap can return it).
+        aux: The loss function's auxiliary output; `()` (no leaves, so vmap can return it) unless `has_aux`.
     """
 
     grads: Any
@@ -52,7 +49,7 @@ class StepInfo(NamedTuple):
         loss: The unscaled loss, in the policy's output dtype.
         grads_finite: 0-dim bool tensor: True when the update was applied, False when skipped.
         loss_scale: The scale the step's gradients were computed with.
-        aux: The loss function's auxiliary output (`()` unless `has_aux`, so vmap can return it).
+        aux: The loss function's auxiliary output; `()` (no leaves, so vmap can return it) unless `has_aux`.
     """
 
     loss: torch.Tensor
@@ -76,8 +73,55 @@ class TrainState(NamedTuple):
 
     @classmethod
     def create(cls, params: Any, optimizer: Optimizer, scaler: LossScale) -> TrainState:
-        """Builds the state for `params`, initialising the optimizer's state from them."""
+        """Builds the state for `params`: initialises the optimizer, puts the scaler on their device.
+
+        Args:
+            params: The parameters, a pytree of tensors.
+            optimizer: A pure optimizer, e.g. `fmp.optim.adamw(...)`.
+            scaler: The loss-scale state; its tensors move to the device of the first parameter, so
+                a compiled step sees one device from the first call on.
+
+        Returns:
+            The state.
+        """
+        _check_optimizer(optimizer)
+        _check_scaler(scaler)
+        first = next((x for x in pytree.tree_leaves(params) if isinstance(x, torch.Tensor)), None)
+        if first is not None:
+            scaler = pytree.tree_map(lambda t: t.to(first.device), scaler)
         return cls(params, optimizer.init(params), scaler)
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"optimizer must be an fmp.optim.Optimizer (e.g. fmp.optim.adamw()), got {type(optimizer).__name__}"
+        )
+
+
+def _check_scaler(scaler: Any) -> None:
+    if not isinstance(scaler, LossScale):
+        raise TypeError(
+            f"scaler must be an fmp loss-scale state (e.g. DynamicLossScale.create()), got {type(scaler).__name__}"
+        )
+
+
+def _check_params(params: Any, policy: Policy) -> None:
+    """Every parameter is differentiated, so each must be a floating tensor in the param dtype."""
+    for path, leaf in pytree.tree_flatten_with_path(params)[0]:
+        where = f"params{pytree.keystr(path)}"
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"{where} is a {type(leaf).__name__}; every leaf of params must be a tensor")
+        if not (leaf.is_floating_point() or leaf.is_complex()):
+            raise TypeError(
+                f"{where} is {leaf.dtype}; every leaf of params is differentiated, "
+                f"so pass integer buffers (e.g. num_batches_tracked) through *args instead"
+            )
+        if leaf.is_floating_point() and leaf.dtype != policy.param_dtype:
+            raise TypeError(
+                f"{where} is {leaf.dtype} but the policy stores params in {policy.param_dtype}; "
+                f"cast them with policy.cast_to_param(params) or choose another policy"
+            )
 
 
 def _check_loss(loss: Any) -> torch.Tensor:
@@ -92,13 +136,10 @@ def _check_loss(loss: Any) -> torch.Tensor:
     return loss
 
 
-def _check_config(scaler: Any, policy: Any) -> None:
-    if not isinstance(scaler, NoOpLossScale | StaticLossScale | DynamicLossScale):
-        raise TypeError(
-            f"scaler must be an fmp loss-scale state (e.g. DynamicLossScale.create()), got {type(scaler).__name__}"
-        )
-    if not isinstance(policy, Policy):
-        raise TypeError(f"policy must be an fmp.Policy (e.g. fmp.get_policy('c=bf16')), got {type(policy).__name__}")
+def _check_aux(aux: Any) -> None:
+    for path, leaf in pytree.tree_flatten_with_path(aux)[0]:
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"aux{pytree.keystr(path)} is a {type(leaf).__name__}; aux must be a pytree of tensors")
 
 
 def mixed_precision_grad(
@@ -107,40 +148,45 @@ def mixed_precision_grad(
     """Computes unscaled gradients of `loss_fn` under a precision policy and a loss scale.
 
     Params and floating-point args are cast to the compute dtype, the loss to the output dtype; the
-    loss is scaled, differentiated with `torch.func.grad`, and the gradients (which come back in the
-    param dtype) are unscaled and checked for finiteness after unscaling.
+    loss is scaled and differentiated with `torch.func.grad`. Gradients come back in the param dtype
+    (autograd returns each in its parameter's dtype), are unscaled, and are checked for finiteness
+    after unscaling, so a gradient that overflows only when unscaled is caught too.
 
     Args:
         loss_fn: `loss_fn(params, *args) -> loss`, or `-> (loss, aux)` with `has_aux`; loss 0-dim.
-        params: The parameters, a pytree of tensors.
+        params: The parameters, a pytree of floating tensors in the policy's param dtype.
         scaler: The loss-scale state.
         *args: Further arguments of `loss_fn` (inputs, targets, ...).
         policy: The precision policy.
-        has_aux: Whether `loss_fn` returns `(loss, aux)`.
+        has_aux: Whether `loss_fn` returns `(loss, aux)`, aux a pytree of tensors.
 
     Returns:
         A `Gradients` tuple.
 
     Raises:
-        TypeError, ValueError: If `loss_fn` returns anything but a 0-dim floating loss (and aux), or
+        TypeError, ValueError: Naming the problem, if `loss_fn` returns anything but a 0-dim floating
+            loss (and a tensor aux), a parameter is not a floating tensor in the param dtype, or
             `scaler` or `policy` is of the wrong type.
     """
-    _check_config(scaler, policy)
+    _check_scaler(scaler)
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be an fmp.Policy (e.g. fmp.get_policy('c=bf16')), got {type(policy).__name__}")
+    _check_params(params, policy)
 
-    def scaled_loss_fn(params: Any, *args: Any) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    def scaled_loss_fn(params: Any, *args: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, Any]]:
         out = loss_fn(policy.cast_to_compute(params), *policy.cast_to_compute(args))
-        # torch.func.grad's aux holds tensors only, so the aux slot exists only with has_aux.
-        aux: tuple[Any, ...] = ()
+        aux: Any = ()  # no leaves: torch.func.grad's aux must hold tensors only
         if has_aux:
             if not (isinstance(out, tuple) and len(out) == 2):
                 raise TypeError(f"with has_aux=True, loss_fn must return (loss, aux), got {type(out).__name__}")
-            out, aux = out[0], (out[1],)
+            out, aux = out
+            _check_aux(aux)
         loss = policy.cast_to_output(_check_loss(out))
-        return scaler.scale(loss), (loss, *aux)
+        return scaler.scale(loss), (loss, aux)
 
-    scaled_grads, (loss, *aux) = torch.func.grad(scaled_loss_fn, has_aux=True)(params, *args)
-    grads = scaler.unscale(policy.cast_to_param(scaled_grads))
-    return Gradients(grads, all_finite(grads), loss, aux[0] if has_aux else ())
+    scaled_grads, (loss, aux) = torch.func.grad(scaled_loss_fn, has_aux=True)(params, *args)
+    grads = scaler.unscale(scaled_grads)
+    return Gradients(grads, all_finite(grads), loss, aux)
 
 
 def train_step(
@@ -167,10 +213,7 @@ def train_step(
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be an fmp.TrainState (TrainState.create(...)), got {type(state).__name__}")
-    if not isinstance(optimizer, Optimizer):
-        raise TypeError(
-            f"optimizer must be an fmp.optim.Optimizer (e.g. fmp.optim.adamw()), got {type(optimizer).__name__}"
-        )
+    _check_optimizer(optimizer)
     params, opt_state, scaler = state
     grads, grads_finite, loss, aux = mixed_precision_grad(
         loss_fn, params, scaler, *args, policy=policy, has_aux=has_aux
@@ -201,12 +244,10 @@ def mixed_precision_step(
         `(new_params, new_scaler)`.
 
     Raises:
+        TypeError: If `optimizer` is not an fmp Optimizer (and as `train_step`).
         ValueError: If the optimizer keeps state.
     """
-    if not isinstance(optimizer, Optimizer):
-        raise TypeError(
-            f"optimizer must be an fmp.optim.Optimizer (e.g. fmp.optim.sgd(0.1)), got {type(optimizer).__name__}"
-        )
+    _check_optimizer(optimizer)
     opt_state = optimizer.init(params)
     if pytree.tree_leaves(opt_state):
         raise ValueError(

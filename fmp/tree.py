@@ -9,7 +9,7 @@ from typing import cast
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["all_finite", "cast_floating", "check_finite_flag", "is_floating_tensor", "select_tree"]
+__all__ = ["all_finite", "cast_floating", "check_finite_flag", "is_floating_tensor", "is_inexact_tensor", "select_tree"]
 
 Tree = TypeVar("Tree")
 
@@ -17,6 +17,11 @@ Tree = TypeVar("Tree")
 def is_floating_tensor(leaf: Any) -> bool:
     """Whether `leaf` is a floating-point tensor (the only leaves fmp casts, scales and checks)."""
     return isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
+
+
+def is_inexact_tensor(leaf: Any) -> bool:
+    """Whether `leaf` is a floating-point or complex tensor (the leaves fmp scales and checks)."""
+    return isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
 
 
 def cast_floating(tree: Tree, dtype: torch.dtype) -> Tree:
@@ -38,12 +43,12 @@ def cast_floating(tree: Tree, dtype: torch.dtype) -> Tree:
 def _leaf_finite(x: torch.Tensor) -> torch.Tensor:
     # min and max propagate NaN, and are finite only if every element is: one read of the leaf, no
     # temporary (isfinite(x).all() writes a bool copy first, ~20x slower in eager CPU).
-    low, high = torch.aminmax(x)
+    low, high = torch.aminmax(torch.view_as_real(x) if x.is_complex() else x)
     return torch.isfinite(low) & torch.isfinite(high)
 
 
 def all_finite(tree: Any) -> torch.Tensor:
-    """Returns a 0-dim bool tensor: True when every floating-point leaf of `tree` is finite.
+    """Returns a 0-dim bool tensor: True when every floating-point and complex leaf is finite.
 
     Integer and bool leaves are finite by construction, and non-tensor and empty leaves are
     ignored; an empty tree is finite. The result stays on the device (no host sync).
@@ -52,12 +57,13 @@ def all_finite(tree: Any) -> torch.Tensor:
         tree: Any pytree, typically gradients.
 
     Returns:
-        A 0-dim bool tensor on the device of the first floating-point leaf (CPU if there is none).
+        A 0-dim bool tensor on the first accelerator among the leaves' devices, else on the CPU:
+        gathering per-leaf flags there never copies from an accelerator to the host.
     """
-    leaves = [x for x in pytree.tree_leaves(tree) if is_floating_tensor(x) and x.numel() > 0]
+    leaves = [x for x in pytree.tree_leaves(tree) if is_inexact_tensor(x) and x.numel() > 0]
     if not leaves:
         return torch.ones((), dtype=torch.bool)
-    device = leaves[0].device
+    device = next((x.device for x in leaves if x.device.type != "cpu"), leaves[0].device)
     flags = [_leaf_finite(x).to(device) for x in leaves]
     return flags[0] if len(flags) == 1 else torch.stack(flags).all()
 
@@ -71,6 +77,15 @@ def check_finite_flag(grads_finite: Any, name: str = "grads_finite") -> None:
             f"{name} must be a 0-dim bool tensor (e.g. from fmp.all_finite), "
             f"got dtype={grads_finite.dtype} shape={tuple(grads_finite.shape)}"
         )
+
+
+def _same_static_leaf(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):  # e.g. numpy arrays, whose == is elementwise
+        return False
 
 
 def select_tree(pred: torch.Tensor, on_true: Tree, on_false: Tree) -> Tree:
@@ -101,7 +116,7 @@ def select_tree(pred: torch.Tensor, on_true: Tree, on_false: Tree) -> Tree:
         if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
             raise ValueError(f"select_tree: leaf {where} is a tensor on one side only")
         if not isinstance(a, torch.Tensor):
-            if a is not b and a != b:
+            if not _same_static_leaf(a, b):
                 raise ValueError(f"select_tree: non-tensor leaf {where} differs: {a!r} vs {b!r}")
             selected.append(a)
             continue

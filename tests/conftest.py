@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import hypothesis
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
+
+# Tests reuse the examples' model builders rather than copying them.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 hypothesis.settings.register_profile("fmp", deadline=None, max_examples=60, print_blob=True)
 hypothesis.settings.load_profile("fmp")

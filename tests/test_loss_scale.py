@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fmp
+from fmp import DynamicLossScale
 
 TINY = torch.finfo(torch.float32).tiny
 INF = float("inf")
@@ -179,29 +180,57 @@ def test_pytree_round_trips_keep_every_field(base: fmp.DynamicLossScale, min_sca
     state = dataclasses.replace(base, min_scale=min_scale, hysteresis=hysteresis)
     leaves, spec = pytree.tree_flatten(state)
     assert len(leaves) == 3 and all(isinstance(x, torch.Tensor) for x in leaves)
-    assert pytree.tree_unflatten(leaves, spec) == state
     assert pytree.treespec_loads(pytree.treespec_dumps(spec)) == spec
     opt_leaves, opt_spec = optree.tree_flatten(state, namespace=fmp.OPTREE_NAMESPACE)
-    assert optree.tree_unflatten(opt_spec, opt_leaves) == state
     paths = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(state)[0]]
     assert paths == [".loss_scale", ".growth_tracker", ".overflow_streak"]
-    mapped = pytree.tree_map(lambda x: x + 0, state)
-    assert dataclasses.asdict(mapped).keys() == dataclasses.asdict(state).keys()
-    for field in dataclasses.fields(state):
-        assert getattr(mapped, field.name) == getattr(state, field.name) or isinstance(
-            getattr(state, field.name), torch.Tensor
-        )
+    round_trips = [
+        pytree.tree_unflatten(leaves, spec),
+        optree.tree_unflatten(opt_spec, opt_leaves),
+        pytree.tree_map(lambda x: x.clone(), state),
+        optree.tree_map(lambda x: x.clone(), state, namespace=fmp.OPTREE_NAMESPACE),
+    ]
+    for copy in round_trips:
+        assert type(copy) is DynamicLossScale
+        for field in dataclasses.fields(state):
+            ours, theirs = getattr(copy, field.name), getattr(state, field.name)
+            if isinstance(theirs, torch.Tensor):
+                assert torch.equal(ours, theirs) and ours.dtype == theirs.dtype
+            else:
+                assert ours == theirs and type(ours) is type(theirs)
 
 
 def test_static_and_noop_states() -> None:
     static = fmp.StaticLossScale.create(128.0)
-    assert pytree.tree_unflatten(*pytree.tree_flatten(static)) == static
+    assert pytree.tree_unflatten(*pytree.tree_flatten(static)).loss_scale is static.loss_scale
     assert static.adjust(torch.tensor(False)) is static
     noop = fmp.NoOpLossScale()
     assert pytree.tree_leaves(noop) == [] and optree.tree_leaves(noop, namespace=fmp.OPTREE_NAMESPACE) == []
     tree = {"a": torch.ones(2)}
     assert noop.scale(tree) is tree and noop.unscale(tree) is tree
     assert noop.adjust(torch.tensor(True)) is noop and float(noop.loss_scale) == 1.0
+
+
+def test_unscale_rounds_like_grad_scaler_for_any_scale() -> None:
+    # 1/scale is formed in double and rounded once to float32, as GradScaler's unscale_ does.
+    for scale in (3.0, 1000.3, 2.0**20 * 1.7, 0.37):
+        reference, optimizer = torch_grad_scaler(fmp.DynamicLossScale.create(init_scale=scale))
+        (param,) = optimizer.param_groups[0]["params"]
+        grads = torch.randn(3, generator=torch.Generator().manual_seed(0)) * 1e4
+        reference.scale(torch.ones(()))
+        param.grad = grads.clone()
+        reference.unscale_(optimizer)
+        ours = fmp.StaticLossScale.create(scale).unscale(grads)
+        assert torch.equal(bits(ours), bits(param.grad))
+
+
+def test_states_compare_by_identity_without_reading_tensors() -> None:
+    state = fmp.DynamicLossScale.create()
+    same_values = fmp.DynamicLossScale.create()
+    assert state == state and state != same_values  # no tensor is read on the host
+    assert len({state, same_values}) == 2
+    stacked = pytree.tree_map(lambda *xs: torch.stack(xs), state, same_values)
+    assert stacked == stacked
 
 
 def test_states_are_immutable() -> None:
@@ -216,21 +245,29 @@ def test_states_are_immutable() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"init_scale": 0.0}, ValueError, "init_scale must be positive and finite"),
-        ({"init_scale": -1.0}, ValueError, "init_scale must be positive and finite"),
-        ({"init_scale": math.inf}, ValueError, "init_scale must be positive and finite"),
-        ({"init_scale": math.nan}, ValueError, "init_scale must be positive and finite"),
-        ({"init_scale": "big"}, TypeError, "init_scale must be a float"),
+        ({"init_scale": 0.0}, ValueError, "init_scale must be a positive, normal float32"),
+        ({"init_scale": -1.0}, ValueError, "init_scale must be a positive, normal float32"),
+        ({"init_scale": math.inf}, ValueError, "init_scale must be a positive, normal float32"),
+        ({"init_scale": math.nan}, ValueError, "init_scale must be a positive, normal float32"),
+        ({"init_scale": 1e39}, ValueError, "init_scale must be a positive, normal float32"),  # inf in float32
+        ({"init_scale": 1e-40}, ValueError, "init_scale must be a positive, normal float32"),  # subnormal
+        ({"init_scale": 1e-50}, ValueError, "init_scale must be a positive, normal float32"),  # 0 in float32
+        ({"init_scale": 2**2000}, ValueError, "init_scale must be a positive, normal float32"),
+        ({"init_scale": "big"}, TypeError, "init_scale must be a real number"),
         ({"init_scale": torch.ones(2)}, ValueError, "init_scale must be a 0-dim floating tensor"),
         ({"growth_factor": 1.0}, ValueError, r"growth_factor must be in \(1.0, inf\)"),
         ({"growth_factor": 0.5}, ValueError, "growth_factor"),
         ({"backoff_factor": 1.0}, ValueError, r"backoff_factor must be in \(0.0, 1.0\)"),
         ({"backoff_factor": 0.0}, ValueError, "backoff_factor"),
-        ({"growth_interval": 0}, ValueError, "growth_interval must be a positive int"),
-        ({"growth_interval": 2.5}, ValueError, "growth_interval must be a positive int"),
-        ({"hysteresis": 0}, ValueError, "hysteresis must be a positive int"),
-        ({"min_scale": 0.0}, ValueError, "min_scale"),
-        ({"min_scale": 4.0, "max_scale": 2.0, "init_scale": 3.0}, ValueError, "must not exceed max_scale"),
+        ({"growth_interval": 0}, ValueError, r"growth_interval must be in \[1, 2147483647\]"),
+        ({"growth_interval": 2**31}, ValueError, r"growth_interval must be in \[1, 2147483647\]"),
+        ({"growth_interval": 2.5}, TypeError, "growth_interval must be an int"),
+        ({"hysteresis": 0}, ValueError, "hysteresis must be in"),
+        ({"hysteresis": True}, TypeError, "hysteresis must be an int, got bool"),
+        ({"min_scale": 0.0}, ValueError, "min_scale must be in"),
+        ({"min_scale": 1e-45}, ValueError, "min_scale must be in"),  # subnormal: 1/scale would be inf
+        ({"max_scale": 1e39}, ValueError, "max_scale must be in"),
+        ({"min_scale": 4.0, "max_scale": 2.0, "init_scale": 3.0}, ValueError, r"max_scale must be in \[4.0"),
         ({"max_scale": 1024.0}, ValueError, r"init_scale \(65536.0\) must lie in"),
     ],
 )
@@ -243,8 +280,12 @@ def test_create_accepts_a_tensor_scale_and_a_device() -> None:
     state = fmp.DynamicLossScale.create(init_scale=torch.tensor(8.0, dtype=torch.float64), device="cpu")
     assert state.loss_scale.dtype == torch.float32 and float(state.loss_scale) == 8.0
     assert state.growth_tracker.dtype == torch.int32 and state.growth_tracker.dim() == 0
-    with pytest.raises(ValueError, match="loss_scale must be positive"):
-        fmp.StaticLossScale.create(-2.0)
+    for bad in (-2.0, 1e39, 1e-40, 1e-50):
+        with pytest.raises(ValueError, match="loss_scale must be a positive, normal float32"):
+            fmp.StaticLossScale.create(bad)
+    numpy = pytest.importorskip("numpy")
+    state = fmp.DynamicLossScale.create(numpy.float32(2.0), numpy.float64(1.5), growth_interval=numpy.int64(7))
+    assert state.growth_interval == 7 and type(state.growth_interval) is int and state.growth_factor == 1.5
 
 
 @pytest.mark.parametrize(

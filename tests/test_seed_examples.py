@@ -5,18 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TOLERANCES
+from seed_recipe import make_model
 from torch import nn
 
 import fmp
 
 BF16_POLICY = fmp.get_policy("params=float32,compute=bfloat16,output=float32")
-
-
-def recipe_model(width: int, layers: int) -> nn.Sequential:
-    blocks: list[nn.Module] = []
-    for _ in range(layers - 1):
-        blocks += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*blocks, nn.Linear(width, width))
 
 
 def train_with_torch_amp(
@@ -42,7 +36,8 @@ def train_with_fmp(
     model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]], lr: float, epochs: int
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)), y)
+        # autocast runs mse_loss in float32; so does this loss (on targets the policy rounded to bf16).
+        return nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)).float(), y.float())
 
     optimizer = fmp.optim.sgd(lr)
     state = fmp.TrainState.create(
@@ -62,7 +57,7 @@ def train_with_fmp(
     [
         ("intro", lambda: nn.Linear(10, 1), 16, 10, 1, 1, 0.01, 3),
         ("quiz", lambda: nn.Linear(2, 1), 1, 2, 1, 1, 0.1, 1),
-        ("recipe", lambda: recipe_model(64, 3), 32, 64, 64, 5, 0.001, 2),
+        ("recipe", lambda: make_model(64, 3), 32, 64, 64, 5, 0.001, 2),
     ],
 )
 def test_seed_example_agrees_with_torch_amp(

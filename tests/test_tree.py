@@ -26,6 +26,14 @@ def test_all_finite_edge_cases() -> None:
     assert bool(fmp.all_finite([None, 3, torch.tensor([1, 2])]))  # ints are finite; non-tensors ignored
     assert not bool(fmp.all_finite([torch.ones(2), torch.tensor([1.0, float("nan")], dtype=torch.bfloat16)]))
     assert not bool(fmp.all_finite(torch.tensor(float("-inf"), dtype=torch.float16)))
+    assert bool(fmp.all_finite({"empty": torch.empty(0), "zero_dim": torch.tensor(2.0)}))
+    assert not bool(fmp.all_finite([torch.empty(0, 3), torch.tensor([[1.0, float("nan")]]).t()]))  # non-contiguous
+
+
+@given(st.lists(st.tuples(values, values), min_size=1, max_size=5))
+def test_all_finite_checks_both_parts_of_complex_leaves(pairs: list[tuple[float, float]]) -> None:
+    z = torch.complex(torch.tensor([r for r, _ in pairs]), torch.tensor([i for _, i in pairs]))
+    assert bool(fmp.all_finite({"z": z})) == all(math.isfinite(r) and math.isfinite(i) for r, i in pairs)
 
 
 @given(st.booleans(), st.lists(values, min_size=1, max_size=6), st.lists(values, min_size=1, max_size=6))
@@ -47,6 +55,9 @@ def test_select_tree_rejects_mismatched_trees() -> None:
         fmp.select_tree(yes, {"a": torch.ones(2)}, {"a": torch.ones(3)})
     with pytest.raises(ValueError, match="non-tensor leaf"):
         fmp.select_tree(yes, {"a": 1}, {"a": 2})
+    numpy = pytest.importorskip("numpy")
+    with pytest.raises(ValueError, match="non-tensor leaf"):
+        fmp.select_tree(yes, {"a": numpy.ones(2)}, {"a": numpy.ones(2)})
     with pytest.raises(ValueError, match="tensor on one side only"):
         fmp.select_tree(yes, {"a": 1.0}, {"a": torch.ones(())})
     with pytest.raises(ValueError, match="pred must be a 0-dim bool"):

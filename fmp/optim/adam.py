@@ -9,8 +9,9 @@ from typing import NamedTuple
 import torch
 import torch.utils._pytree as pytree
 
+from fmp._checks import check_real
 from fmp.optim._base import Optimizer
-from fmp.optim._base import check_hyperparameter
+from fmp.optim._base import check_state
 from fmp.optim._base import step_counter
 from fmp.optim._base import tree_zeros_like
 
@@ -32,21 +33,24 @@ class AdamState(NamedTuple):
 
 
 def _adam(lr: float, betas: tuple[float, float], eps: float, weight_decay: float, *, decoupled: bool) -> Optimizer:
-    lr = check_hyperparameter("lr", lr, 0.0, math.inf)
+    name = "adamw" if decoupled else "adam"
+    lr = check_real("lr", lr, 0.0, math.inf)
     if not isinstance(betas, tuple | list) or len(betas) != 2:
         raise TypeError(f"betas must be a pair of floats, got {betas!r}")
-    beta1 = check_hyperparameter("betas[0]", betas[0], 0.0, 1.0)
-    beta2 = check_hyperparameter("betas[1]", betas[1], 0.0, 1.0)
-    eps = check_hyperparameter("eps", eps, 0.0, math.inf)
-    weight_decay = check_hyperparameter("weight_decay", weight_decay, 0.0, math.inf)
+    beta1 = check_real("betas[0]", betas[0], 0.0, 1.0)
+    beta2 = check_real("betas[1]", betas[1], 0.0, 1.0)
+    eps = check_real("eps", eps, 0.0, math.inf)
+    weight_decay = check_real("weight_decay", weight_decay, 0.0, math.inf)
 
     def init(params: Any) -> AdamState:
         return AdamState(step_counter(params), tree_zeros_like(params), tree_zeros_like(params))
 
     def update(grads: Any, state: AdamState, params: Any) -> tuple[Any, AdamState]:
+        check_state(name, state, AdamState)
         step = state.step + 1
-        bias_correction1 = 1.0 - torch.pow(beta1, step.to(torch.float32))
-        bias_correction2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, step.to(torch.float32)))
+        # torch forms the bias corrections in double precision; so does this, on device.
+        bias_correction1 = 1.0 - torch.pow(beta1, step.double())
+        bias_correction2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, step.double()))
         step_size = lr / bias_correction1
         if not decoupled and weight_decay:
             grads = pytree.tree_map(lambda g, p: torch.add(g, p, alpha=weight_decay), grads, params)
@@ -59,6 +63,7 @@ def _adam(lr: float, betas: tuple[float, float], eps: float, weight_decay: float
             if decoupled and weight_decay:
                 param = param * (1.0 - lr * weight_decay)
             denom = torch.sqrt(v) / bias_correction2_sqrt.to(v.dtype) + eps
+            # torch's addcdiv(param, m, denom, value=-step_size) computes param + (-step_size * m) / denom.
             return param - step_size.to(param.dtype) * m / denom
 
         new_params = pytree.tree_map(new_param, params, exp_avg, exp_avg_sq)
