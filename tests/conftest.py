@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,9 @@ import torch.utils._pytree as pytree
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 hypothesis.settings.register_profile("fmp", deadline=None, max_examples=60, print_blob=True)
-hypothesis.settings.load_profile("fmp")
+# CI replays a fixed set of examples, so a submission's verdict does not depend on the draw.
+hypothesis.settings.register_profile("ci", parent=hypothesis.settings.get_profile("fmp"), derandomize=True)
+hypothesis.settings.load_profile("ci" if os.environ.get("CI") else "fmp")
 
 # One tolerance table per compute dtype: how far a mixed-precision result may sit from float32.
 TOLERANCES: dict[torch.dtype, dict[str, float]] = {
