@@ -3,13 +3,15 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fmp-installed
+TORCH_PIP_ARGS ?=
 
 .PHONY: install demo test lint typecheck clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	# torch==2.13.0 is the CPU build on local disk; an unpinned torch would pull a multi-GB CUDA build.
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	# On the project's machines pip finds torch==2.13.0 as a CPU build on local disk (an unpinned torch
+	# would pull a multi-GB CUDA build). Elsewhere: make TORCH_PIP_ARGS=--index-url=https://download.pytorch.org/whl/cpu
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIP_ARGS) torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 

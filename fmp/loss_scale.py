@@ -59,7 +59,13 @@ class _TensorScale:
     loss_scale: torch.Tensor
 
     def scale(self, tree: Tree) -> Tree:
-        """Multiplies floating leaves by the scale, with torch's type promotion (as GradScaler.scale)."""
+        """Multiplies floating leaves by the scale, with torch's type promotion (as GradScaler.scale).
+
+        Raises:
+            TypeError: If `tree` holds no floating-point or complex tensor (a Python float loss, say).
+        """
+        if not any(is_inexact_tensor(x) for x in pytree.tree_leaves(tree)):
+            raise TypeError(f"scale() found no floating-point tensor to scale in a {type(tree).__name__}")
         return _multiply_leaves(tree, self.loss_scale, keep_dtype=False)
 
     def unscale(self, tree: Tree) -> Tree:
@@ -117,6 +123,14 @@ def _scale_tensor(value: Any, name: str, device: torch.device | str | None) -> t
             f"(a scale of 0, inf, NaN or a subnormal loses every gradient)"
         )
     return scale
+
+
+def _float32_inward(bound: float, *, up: bool) -> float:
+    """Rounds a bound to a float32 inside it, so that clamping the float32 scale honours it exactly."""
+    rounded = torch.tensor(bound, dtype=torch.float32)
+    if (up and float(rounded) < bound) or (not up and float(rounded) > bound):
+        rounded = torch.nextafter(rounded, torch.tensor(math.inf if up else -math.inf))
+    return float(rounded)
 
 
 @pytree_dataclass
@@ -201,8 +215,10 @@ class DynamicLossScale(_TensorScale):
             backoff_factor: Backoff factor, in (0, 1).
             growth_interval: Consecutive finite steps before each growth, in [1, 2**31 - 1]; for a
                 scale that never grows use `StaticLossScale` or `max_scale=init_scale`.
-            min_scale: Floor of the scale, at least float32's smallest normal number.
-            max_scale: Ceiling of the scale, in [min_scale, float32 max].
+            min_scale: Floor of the scale, at least float32's smallest normal number; stored
+                rounded up to a float32.
+            max_scale: Ceiling of the scale, in [min_scale, float32 max]; stored rounded down to a
+                float32.
             hysteresis: Consecutive overflows before the scale backs off, >= 1 (DeepSpeed's
                 `hysteresis` with `consecutive_hysteresis=True`: any finite step resets the count).
             device: Where the state's tensors live (a tensor `init_scale`'s own device by default,
@@ -215,12 +231,15 @@ class DynamicLossScale(_TensorScale):
             TypeError, ValueError: Naming the bad argument and its allowed range.
         """
         scale = _scale_tensor(init_scale, "init_scale", device)
-        min_scale = check_real("min_scale", min_scale, _FLOAT32_TINY, _FLOAT32_MAX, high_inclusive=True)
-        max_scale = check_real("max_scale", max_scale, min_scale, _FLOAT32_MAX, high_inclusive=True)
-        if not min_scale <= float(scale) <= max_scale:
-            raise ValueError(
-                f"init_scale ({float(scale)}) must lie in [min_scale, max_scale] = [{min_scale}, {max_scale}]"
-            )
+        low = check_real("min_scale", min_scale, _FLOAT32_TINY, _FLOAT32_MAX, high_inclusive=True)
+        high = check_real("max_scale", max_scale, low, _FLOAT32_MAX, high_inclusive=True)
+        min_scale, max_scale = _float32_inward(low, up=True), _float32_inward(high, up=False)
+        if min_scale > max_scale:
+            raise ValueError(f"no float32 scale lies in [min_scale, max_scale] = [{low}, {high}]")
+        # init_scale must lie within the bounds up to its own rounding to float32, then is clamped in.
+        if not _float32_inward(low, up=False) <= float(scale) <= _float32_inward(high, up=True):
+            raise ValueError(f"init_scale ({float(scale)}) must lie in [min_scale, max_scale] = [{low}, {high}]")
+        scale = scale.clamp(min_scale, max_scale)
         zero = torch.zeros((), dtype=torch.int32, device=scale.device)
         return cls(
             loss_scale=scale,
@@ -251,7 +270,8 @@ class DynamicLossScale(_TensorScale):
         check_finite_flag(grads_finite)
         scale = self.loss_scale
         tracker = self.growth_tracker + 1
-        streak = self.overflow_streak + 1
+        # Saturates rather than wrapping after 2**31 - 1 consecutive overflows.
+        streak = self.overflow_streak.clamp(max=_INT32_MAX - 1) + 1
         grow = grads_finite & (tracker >= self.growth_interval)
         back_off = ~grads_finite & (streak >= self.hysteresis)
         # torch's kernel multiplies the float scale by a double factor and rounds once to float; a

@@ -29,6 +29,7 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
     "f64": torch.float64,
     "double": torch.float64,
 }
+_POLICY_DTYPES = frozenset(_DTYPE_NAMES.values())
 _KEYS = {"params": "param_dtype", "p": "param_dtype", "compute": "compute_dtype", "c": "compute_dtype"}
 _KEYS |= {"output": "output_dtype", "o": "output_dtype"}
 
@@ -93,8 +94,8 @@ class Policy:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             dtype = getattr(self, field.name)
-            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-                raise TypeError(f"Policy.{field.name} must be a floating-point torch.dtype, got {dtype!r}")
+            if dtype not in _POLICY_DTYPES:
+                raise TypeError(f"Policy.{field.name} must be one of {sorted(map(str, _POLICY_DTYPES))}, got {dtype!r}")
 
     def cast_to_param(self, tree: Tree) -> Tree:
         """Casts the floating-point tensor leaves of `tree` to `param_dtype`."""

@@ -86,6 +86,7 @@ class TrainState(NamedTuple):
         """
         _check_optimizer(optimizer)
         _check_scaler(scaler)
+        _check_no_module_parameters(params)
         first = next((x for x in pytree.tree_leaves(params) if isinstance(x, torch.Tensor)), None)
         if first is not None:
             scaler = pytree.tree_map(lambda t: t.to(first.device), scaler)
@@ -106,8 +107,18 @@ def _check_scaler(scaler: Any) -> None:
         )
 
 
+def _check_no_module_parameters(params: Any) -> None:
+    for path, leaf in pytree.tree_flatten_with_path(params)[0]:
+        if isinstance(leaf, torch.nn.Parameter):
+            raise TypeError(
+                f"params{pytree.keystr(path)} is an nn.Parameter: autograd would chain every step's graph onto "
+                f"the last (a memory leak); pass {{k: v.detach() for k, v in model.named_parameters()}}"
+            )
+
+
 def _check_params(params: Any, policy: Policy) -> None:
     """Every parameter is differentiated, so each must be a floating tensor in the param dtype."""
+    _check_no_module_parameters(params)
     for path, leaf in pytree.tree_flatten_with_path(params)[0]:
         where = f"params{pytree.keystr(path)}"
         if not isinstance(leaf, torch.Tensor):
@@ -230,7 +241,8 @@ def mixed_precision_step(
     """One mixed-precision step with a stateless optimizer: `(params, scaler) -> (params, scaler)`.
 
     The short form of `train_step` for optimizers that keep no state (e.g. `fmp.optim.sgd(lr)`).
-    Stateful optimizers need `train_step`, which threads their state through.
+    Stateful optimizers need `train_step`, which threads their state through. Create `scaler` on the
+    params' device (`DynamicLossScale.create(device=...)`): its state follows the gradients there.
 
     Args:
         loss_fn: `loss_fn(params, *args) -> 0-dim loss`.

@@ -80,8 +80,8 @@ def test_min_scale_floor_where_grad_scaler_decays_to_zero() -> None:
 
 @given(
     dynamic_scales(),
-    st.sampled_from([1.0, 2.0**-8, TINY]),
-    st.sampled_from([2.0**24, 2.0**64, torch.finfo(torch.float32).max]),
+    st.one_of(st.sampled_from([1.0, 2.0**-8, TINY]), st.floats(TINY, 1e3)),
+    st.one_of(st.sampled_from([2.0**24, 2.0**64, torch.finfo(torch.float32).max]), st.floats(1e-3, 1e30)),
     st.integers(1, 4),
     finite_sequences,
 )
@@ -89,7 +89,15 @@ def test_scale_invariants(
     base: fmp.DynamicLossScale, min_scale: float, max_scale: float, hysteresis: int, steps: list[bool]
 ) -> None:
     assume(min_scale <= float(base.loss_scale) <= max_scale)
-    state = dataclasses.replace(base, min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis)
+    state = fmp.DynamicLossScale.create(
+        base.loss_scale,
+        base.growth_factor,
+        base.backoff_factor,
+        base.growth_interval,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        hysteresis=hysteresis,
+    )
     finite_run = overflow_run = 0
     for finite in steps:
         old = float(state.loss_scale)
@@ -127,6 +135,34 @@ def test_max_scale_caps_growth() -> None:
     for _ in range(3):
         state = state.adjust(torch.tensor(True))
     assert float(state.loss_scale) == 10.0
+
+
+def test_bounds_hold_exactly_when_they_are_not_float32_numbers() -> None:
+    state = fmp.DynamicLossScale.create(init_scale=0.25, growth_interval=1, min_scale=0.1, max_scale=0.3)
+    assert state.max_scale <= 0.3 and state.min_scale >= 0.1  # rounded inward to float32 numbers
+    for finite in [True] * 3 + [False] * 6:
+        state = state.adjust(torch.tensor(finite))
+        assert 0.1 <= float(state.loss_scale) <= 0.3
+    at_the_cap = fmp.DynamicLossScale.create(init_scale=0.3, max_scale=0.3)  # float32(0.3) > 0.3: clamped in
+    assert float(at_the_cap.loss_scale) == at_the_cap.max_scale <= 0.3
+    with pytest.raises(ValueError, match="no float32 scale lies in"):
+        fmp.DynamicLossScale.create(init_scale=0.3, min_scale=0.3, max_scale=0.3)
+
+
+def test_overflow_streak_saturates_instead_of_wrapping() -> None:
+    int32_max = torch.iinfo(torch.int32).max
+    state = dataclasses.replace(
+        fmp.DynamicLossScale.create(hysteresis=3), overflow_streak=torch.tensor(int32_max, dtype=torch.int32)
+    )
+    state = state.adjust(torch.tensor(False))
+    assert int(state.overflow_streak) == int32_max and float(state.loss_scale) == 2.0**15
+
+
+def test_scale_needs_a_tensor() -> None:
+    with pytest.raises(TypeError, match="scale\\(\\) found no floating-point tensor to scale in a float"):
+        fmp.DynamicLossScale.create().scale(3.0)  # type: ignore[type-var]
+    with pytest.raises(TypeError, match="found no floating-point tensor"):
+        fmp.StaticLossScale.create(2.0).scale({"n": torch.arange(3)})
 
 
 def test_growth_never_overflows_to_inf() -> None:
@@ -268,6 +304,7 @@ def test_states_are_immutable() -> None:
         ({"min_scale": 1e-45}, ValueError, "min_scale must be in"),  # subnormal: 1/scale would be inf
         ({"max_scale": 1e39}, ValueError, "max_scale must be in"),
         ({"min_scale": 4.0, "max_scale": 2.0, "init_scale": 3.0}, ValueError, r"max_scale must be in \[4.0"),
+        ({"min_scale": 1.0, "max_scale": 2.0, "init_scale": 3.0}, ValueError, r"init_scale \(3.0\) must lie in"),
         ({"max_scale": 1024.0}, ValueError, r"init_scale \(65536.0\) must lie in"),
     ],
 )

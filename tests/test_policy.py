@@ -66,8 +66,10 @@ def test_bad_policy_strings_name_the_problem(spec: str, message: str) -> None:
 
 
 def test_policy_rejects_non_floating_dtypes() -> None:
-    with pytest.raises(TypeError, match="compute_dtype must be a floating-point"):
+    with pytest.raises(TypeError, match="compute_dtype must be one of"):
         fmp.Policy(F32, torch.int8, F32)
+    with pytest.raises(TypeError, match="param_dtype must be one of"):
+        fmp.Policy(torch.float8_e4m3fn, F32, F32)
     with pytest.raises(TypeError, match="get_policy takes a string"):
         fmp.get_policy(F32)  # type: ignore[arg-type]
 

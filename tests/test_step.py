@@ -249,6 +249,13 @@ def test_params_that_the_step_cannot_differentiate_are_named() -> None:
         fmp.mixed_precision_grad(mlp_loss, {**params, "steps": torch.tensor(3)}, scaler, x, y, policy=policy)
     with pytest.raises(TypeError, match=r"params\['lr'\] is a float; every leaf of params must be a tensor"):
         fmp.mixed_precision_grad(mlp_loss, {**params, "lr": 0.1}, scaler, x, y, policy=policy)
+    module_params = dict(torch.nn.Linear(8, 8).named_parameters())
+    with pytest.raises(TypeError, match=r"params\['weight'\] is an nn.Parameter: .* v.detach\(\)"):
+        fmp.TrainState.create(module_params, fmp.optim.sgd(0.1), scaler)
+    with pytest.raises(TypeError, match=r"params\['w1'\] is an nn.Parameter"):
+        fmp.mixed_precision_grad(
+            mlp_loss, {**params, "w1": torch.nn.Parameter(params["w1"])}, scaler, x, y, policy=policy
+        )
 
 
 def test_non_tensor_aux_is_named() -> None:

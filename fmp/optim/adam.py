@@ -62,9 +62,13 @@ def _adam(lr: float, betas: tuple[float, float], eps: float, weight_decay: float
         def new_param(param: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if decoupled and weight_decay:
                 param = param * (1.0 - lr * weight_decay)
-            denom = torch.sqrt(v) / bias_correction2_sqrt.to(v.dtype) + eps
-            # torch's addcdiv(param, m, denom, value=-step_size) computes param + (-step_size * m) / denom.
-            return param - step_size.to(param.dtype) * m / denom
+            # torch divides by a Python float, which its kernels read in at least float32 (opmath); its
+            # addcdiv(param, m, denom, value=-step_size) forms param + (-step_size * m) / denom in
+            # opmath too and rounds once to the param dtype.
+            opmath = torch.promote_types(param.dtype, torch.float32)
+            denom = torch.sqrt(v) / bias_correction2_sqrt.to(opmath) + eps
+            update = step_size.to(opmath) * m.to(opmath) / denom.to(opmath)
+            return (param.to(opmath) - update).to(param.dtype)
 
         new_params = pytree.tree_map(new_param, params, exp_avg, exp_avg_sq)
         return new_params, AdamState(step, exp_avg, exp_avg_sq)
