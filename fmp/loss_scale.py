@@ -276,10 +276,11 @@ class DynamicLossScale(_TensorScale):
         back_off = ~grads_finite & (streak >= self.hysteresis)
         # torch's kernel multiplies the float scale by a double factor and rounds once to float; a
         # float64 product of the two is that same double, so this is bit-identical to GradScaler.
-        grown = (scale.double() * self.growth_factor).float()
+        scale64 = scale.double()
+        grown = (scale64 * self.growth_factor).float()
         # GradScaler keeps the old scale when growing would overflow float32.
         grown = torch.where(torch.isfinite(grown), grown, scale)
-        backed_off = (scale.double() * self.backoff_factor).float()
+        backed_off = (scale64 * self.backoff_factor).float()
         new_scale = torch.where(grow, grown, torch.where(back_off, backed_off, scale))
         zero = torch.zeros_like(tracker)
         return dataclasses.replace(

@@ -19,6 +19,7 @@ from fmp.optim._base import Optimizer
 from fmp.policy import Policy
 from fmp.tree import all_finite
 from fmp.tree import select_tree
+from fmp.tree import tree_device
 
 __all__ = ["Gradients", "StepInfo", "TrainState", "mixed_precision_grad", "mixed_precision_step", "train_step"]
 
@@ -87,9 +88,9 @@ class TrainState(NamedTuple):
         _check_optimizer(optimizer)
         _check_scaler(scaler)
         _check_no_module_parameters(params)
-        first = next((x for x in pytree.tree_leaves(params) if isinstance(x, torch.Tensor)), None)
-        if first is not None:
-            scaler = pytree.tree_map(lambda t: t.to(first.device), scaler)
+        device = tree_device(params)
+        if device is not None:
+            scaler = pytree.tree_map(lambda t: t.to(device), scaler)
         return cls(params, optimizer.init(params), scaler)
 
 

@@ -9,19 +9,32 @@ from typing import cast
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["all_finite", "cast_floating", "check_finite_flag", "is_floating_tensor", "is_inexact_tensor", "select_tree"]
+__all__ = [
+    "all_finite",
+    "cast_floating",
+    "check_finite_flag",
+    "is_floating_tensor",
+    "is_inexact_tensor",
+    "select_tree",
+    "tree_device",
+]
 
 Tree = TypeVar("Tree")
 
 
 def is_floating_tensor(leaf: Any) -> bool:
-    """Whether `leaf` is a floating-point tensor (the only leaves fmp casts, scales and checks)."""
+    """Whether `leaf` is a floating-point tensor (the only leaves a policy casts)."""
     return isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
 
 
 def is_inexact_tensor(leaf: Any) -> bool:
     """Whether `leaf` is a floating-point or complex tensor (the leaves fmp scales and checks)."""
     return isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
+
+
+def tree_device(tree: Any) -> torch.device | None:
+    """The device of the first tensor leaf of `tree`, or None when it holds no tensor."""
+    return next((x.device for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)), None)
 
 
 def cast_floating(tree: Tree, dtype: torch.dtype) -> Tree:

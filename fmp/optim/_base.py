@@ -9,6 +9,8 @@ from typing import NamedTuple
 import torch
 import torch.utils._pytree as pytree
 
+from fmp.tree import tree_device
+
 __all__ = ["Optimizer", "check_state", "step_counter", "tree_zeros_like"]
 
 
@@ -35,8 +37,7 @@ def check_state(name: str, state: Any, expected: type) -> None:
 
 def step_counter(params: Any) -> torch.Tensor:
     """A 0-dim int32 zero on the device of the first tensor leaf of `params` (CPU if none)."""
-    first = next((x for x in pytree.tree_leaves(params) if isinstance(x, torch.Tensor)), None)
-    return torch.zeros((), dtype=torch.int32, device=None if first is None else first.device)
+    return torch.zeros((), dtype=torch.int32, device=tree_device(params))
 
 
 def tree_zeros_like(tree: Any) -> Any:
