@@ -1,25 +1,46 @@
-"""Step time of fmp against torch.amp on the seed recipe's network, measured side by side.
+"""Step time and peak memory of fmp against torch.amp on the seed recipe's network, side by side.
 
-Runs torch.amp (autocast + GradScaler + SGD), fmp eager and fmp compiled (fullgraph) on the same
-weights and batches, interleaving the contenders round by round so machine noise hits all alike,
-and prints the median time per step and its ratio to torch.amp. Two CPU settings by default:
-  matmul-bound:    3 x Linear(1024), batch 256, bfloat16 compute
-  machinery-bound: 3 x Linear(1024), batch 8, float32 compute with dynamic loss scaling
+Every contender trains its own copy of 3 x Linear(width) + ReLU from the same weights on the same
+batches; the contenders take turns round by round so machine noise hits all alike, and each row
+prints the median time per step and its ratio to the torch.amp row with the same optimizer:
 
-    python benchmarks/bench_step.py [--steps 30 --rounds 5]
+  fp32                       plain float32 training, SGD
+  torch.amp sgd              autocast + GradScaler + torch.optim.SGD
+  torch.amp adamw(fused)     autocast + GradScaler + torch.optim.AdamW(fused=True)
+  fmp eager sgd              fmp.train_step, eager
+  fmp compiled sgd           fmp.train_step under torch.compile(fullgraph=True)
+  fmp donated sgd / adamw    the same with donate=True: the update is written into the old buffers
+  fmp cuda-graph sgd         donated, mode="reduce-overhead": the whole step replayed as a CUDA graph
+
+Peak memory is the contender's state kept between steps (params, optimizer state, scaler) plus the
+most a step allocates on top of it: from torch.cuda's allocator statistics on a GPU; on CPU from the
+process's peak resident size (VmHWM) in a subprocess whose malloc returns every large block to
+the system (MALLOC_MMAP_THRESHOLD_), so resident size follows live tensors.
+
+    python benchmarks/bench_step.py [--device cuda] [--steps 20 --rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import gc
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
+from _common import describe_machine
+from _common import synchronize
+from _common import tree_bytes
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -28,90 +49,228 @@ import fmp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from seed_recipe import make_model
 
-Step = Callable[[torch.Tensor, torch.Tensor], object]
+LR = 1e-3
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def torch_amp_step(model: nn.Module, dtype: torch.dtype) -> Step:
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu")
-    enabled = dtype != torch.float32
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    name: str
+    width: int
+    batch: int
+    dtype: torch.dtype
+
+
+SETTINGS = {
+    "gpu-seed": Setting("seed recipe", 4096, 4096, torch.float16),
+    "cpu-matmul": Setting("matmul-bound", 1024, 256, torch.bfloat16),
+    "cpu-machinery": Setting("machinery-bound", 1024, 8, torch.float32),
+}
+
+
+@dataclasses.dataclass
+class Contender:
+    family: str  # the optimizer: rows are compared with the torch.amp row of the same family
+    step: Callable[[torch.Tensor, torch.Tensor], None]
+    state: Callable[[], Any]  # what the contender keeps between steps
+    compiled: bool = False
+    counter: CompileCounterWithBackend | None = None  # counts the graphs Dynamo compiles (default mode)
+    warm_up_seconds: float = 0.0  # the first 3 steps, compile and CUDA-graph recording included
+
+
+def torch_contender(model: nn.Module, setting: Setting, family: str, *, amp: bool) -> Contender:
+    device_type = next(model.parameters()).device.type
+    optimizer: torch.optim.Optimizer
+    if family == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    scaler = torch.amp.GradScaler(device_type, enabled=amp)
+    autocast = amp and setting.dtype != torch.float32
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        with torch.autocast("cpu", dtype=dtype, enabled=enabled):
+        with torch.autocast(device_type, dtype=setting.dtype, enabled=autocast):
             loss = nn.functional.mse_loss(model(x), y)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()
 
-    return step
+    return Contender(family, step, lambda: (list(model.parameters()), optimizer.state))
 
 
-def fmp_step(model: nn.Module, policy: fmp.Policy, compiled: CompileCounterWithBackend | None) -> Step:
+def fmp_contender(model: nn.Module, setting: Setting, family: str, *, mode: str | None, donate: bool) -> Contender:
     def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)).float(), y.float())
 
-    optimizer = fmp.optim.sgd(1e-3)
+    optimizer = fmp.optim.sgd(LR) if family == "sgd" else fmp.optim.adamw(LR)
+    policy = fmp.Policy(torch.float32, setting.dtype, torch.float32)
     train_step: Callable[..., tuple[fmp.TrainState, fmp.StepInfo]] = functools.partial(
-        fmp.train_step, loss_fn, policy=policy, optimizer=optimizer
+        fmp.train_step, loss_fn, policy=policy, optimizer=optimizer, donate=donate
     )
-    if compiled is not None:
-        train_step = torch.compile(train_step, backend=compiled, fullgraph=True)
+    counter = None
+    if mode == "default":
+        counter = CompileCounterWithBackend("inductor")
+        train_step = torch.compile(train_step, backend=counter, fullgraph=True)
+    elif mode is not None:
+        train_step = torch.compile(train_step, mode=mode, fullgraph=True)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     state = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create())
+    if mode == "reduce-overhead":  # a donated state updated in place inside the CUDA graph
+        for tensor in pytree.tree_leaves(state):
+            torch._dynamo.mark_static_address(tensor)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         nonlocal state
         state, _ = train_step(state, x, y)
 
-    return step
+    return Contender(family, step, lambda: state, compiled=mode is not None, counter=counter)
 
 
-def time_steps(step: Step, data: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def build_contenders(setting: Setting, device: torch.device) -> dict[str, Contender]:
+    torch.manual_seed(0)
+    initial = make_model(setting.width, 3).state_dict()
+
+    def model() -> nn.Module:
+        fresh = make_model(setting.width, 3)
+        fresh.load_state_dict(initial)
+        return fresh.to(device)
+
+    contenders = {
+        "fp32": torch_contender(model(), setting, "sgd", amp=False),
+        "torch.amp sgd": torch_contender(model(), setting, "sgd", amp=True),
+        "torch.amp adamw(fused)": torch_contender(model(), setting, "adamw", amp=True),
+        "fmp eager sgd": fmp_contender(model(), setting, "sgd", mode=None, donate=False),
+        "fmp compiled sgd": fmp_contender(model(), setting, "sgd", mode="default", donate=False),
+        "fmp donated sgd": fmp_contender(model(), setting, "sgd", mode="default", donate=True),
+        "fmp donated adamw": fmp_contender(model(), setting, "adamw", mode="default", donate=True),
+    }
+    if device.type == "cuda":
+        contenders["fmp cuda-graph sgd"] = fmp_contender(model(), setting, "sgd", mode="reduce-overhead", donate=True)
+    return contenders
+
+
+def make_data(setting: Setting, device: torch.device, steps: int) -> list[Batch]:
+    gen = torch.Generator().manual_seed(1)
+    shape = (setting.batch, setting.width)
+    batches = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for _ in range(steps)]
+    return [(x.to(device), y.to(device)) for x, y in batches]
+
+
+def warm_up(contenders: dict[str, Contender], batch: Batch, device: torch.device) -> None:
+    """Runs each contender's first steps (compiles happen here, CUDA graphs are recorded)."""
+    for contender in contenders.values():
+        start = time.perf_counter()
+        for _ in range(3):
+            contender.step(*batch)
+        synchronize(device)
+        contender.warm_up_seconds = time.perf_counter() - start
+
+
+def time_steps(step: Callable[[torch.Tensor, torch.Tensor], None], data: list[Batch], device: torch.device) -> float:
     start = time.perf_counter()
     for x, y in data:
         step(x, y)
+    synchronize(device)
     return (time.perf_counter() - start) / len(data)
 
 
-def run_setting(name: str, batch: int, width: int, dtype: torch.dtype, steps: int, rounds: int) -> None:
-    torch.manual_seed(0)
-    model = make_model(width, 3)
-    data = [(torch.randn(batch, width), torch.randn(batch, width)) for _ in range(steps)]
-    policy = fmp.Policy(torch.float32, dtype, torch.float32)
-    counter = CompileCounterWithBackend("inductor")
-    contenders: dict[str, Step] = {
-        "torch.amp": torch_amp_step(make_model(width, 3).requires_grad_(True), dtype),
-        "fmp eager": fmp_step(model, policy, None),
-        "fmp compiled": fmp_step(model, policy, counter),
-    }
-    compile_seconds = 0.0
-    for label, step in contenders.items():  # warm-up; the compiled step compiles here
-        start = time.perf_counter()
-        step(*data[0])
-        if label == "fmp compiled":
-            compile_seconds = time.perf_counter() - start
+def gpu_peak_bytes(contender: Contender, batch: Batch, device: torch.device) -> int:
+    gc.collect()
+    synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    contender.step(*batch)
+    synchronize(device)
+    return tree_bytes(contender.state()) + torch.cuda.max_memory_allocated(device) - before
+
+
+def _resident_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def cpu_peak_bytes(contender: Contender, batch: Batch) -> int:
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
+    before = _resident_kib("VmRSS")
+    for _ in range(2):
+        contender.step(*batch)
+    return tree_bytes(contender.state()) + (_resident_kib("VmHWM") - before) * 1024
+
+
+def memory_probe(setting: Setting) -> dict[str, int]:
+    """Runs in a subprocess on CPU: each contender's peak bytes, measured one after another."""
+    device = torch.device("cpu")
+    contenders = build_contenders(setting, device)
+    batch = make_data(setting, device, 1)[0]
+    peaks = {}
+    for label, contender in contenders.items():
+        for _ in range(2):
+            contender.step(*batch)
+        peaks[label] = cpu_peak_bytes(contender, batch)
+    return peaks
+
+
+def cpu_peaks(key: str) -> dict[str, int]:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    out = subprocess.run(
+        [sys.executable, __file__, "--memory-probe", key], env=env, check=True, capture_output=True, text=True
+    )
+    peaks: dict[str, int] = json.loads(out.stdout.strip().splitlines()[-1])
+    return peaks
+
+
+def run_setting(key: str, device: torch.device, steps: int, rounds: int) -> None:
+    setting = SETTINGS[key]
+    torch._dynamo.reset()  # graphs compiled for another setting would count as recompiles here
+    contenders = build_contenders(setting, device)
+    data = make_data(setting, device, steps)
+    warm_up(contenders, data[0], device)
     times: dict[str, list[float]] = {label: [] for label in contenders}
     for _ in range(rounds):
-        for label, step in contenders.items():
-            times[label].append(time_steps(step, data))
-    reference = statistics.median(times["torch.amp"])
-    print(f"\n{name}: 3 x Linear({width}), batch {batch}, compute {str(dtype).removeprefix('torch.')}")
-    for label, samples in times.items():
-        median = statistics.median(samples)
-        print(f"  {label:>13}: {median * 1e3:8.3f} ms/step   ratio to torch.amp {median / reference:5.2f}")
-    print(f"  fmp compiled: compile {compile_seconds:.1f} s, graphs compiled {counter.frame_count} (1 = no recompiles)")
+        for label, contender in contenders.items():
+            times[label].append(time_steps(contender.step, data, device))
+    if device.type == "cuda":
+        peaks = {label: gpu_peak_bytes(c, data[0], device) for label, c in contenders.items()}
+    else:
+        peaks = cpu_peaks(key)
+    reference = {"sgd": "torch.amp sgd", "adamw": "torch.amp adamw(fused)"}
+    dtype = str(setting.dtype).removeprefix("torch.")
+    shape = f"3 x Linear({setting.width}), batch {setting.batch}"
+    print(f"\n{setting.name}: {shape}, compute {dtype}, {steps} steps x {rounds} rounds")
+    print(f"  {'contender':>22}  {'ms/step':>9}  {'time ratio':>10}  {'peak MB':>8}  {'mem ratio':>9}  warm-up, graphs")
+    for label, contender in contenders.items():
+        ref = reference[contender.family]
+        median, ref_median = statistics.median(times[label]), statistics.median(times[ref])
+        compiled = ""
+        if contender.compiled:
+            graphs = contender.counter.frame_count if contender.counter else "-"
+            compiled = f"{contender.warm_up_seconds:5.1f} s / {graphs}"
+        print(
+            f"  {label:>22}  {median * 1e3:9.3f}  {median / ref_median:10.2f}  "
+            f"{peaks[label] / 1e6:8.1f}  {peaks[label] / peaks[ref]:9.2f}  {compiled}"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--memory-probe", choices=sorted(SETTINGS), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    run_setting("matmul-bound", 256, args.width, torch.bfloat16, args.steps, args.rounds)
-    run_setting("machinery-bound", 8, args.width, torch.float32, args.steps, args.rounds)
+    if args.memory_probe:
+        print(json.dumps(memory_probe(SETTINGS[args.memory_probe])))
+        return
+    device = torch.device(args.device)
+    print(describe_machine(device))
+    print("ratios: time and peak memory over the torch.amp row with the same optimizer (sgd or adamw)")
+    keys = ["gpu-seed"] if device.type == "cuda" else ["cpu-matmul", "cpu-machinery"]
+    for key in keys:
+        run_setting(key, device, args.steps, args.rounds)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from fmp import optim
 from fmp._struct import OPTREE_NAMESPACE
+from fmp.fused import fused_unscale_and_adjust
+from fmp.fused import unscale_and_adjust
 from fmp.loss_scale import DynamicLossScale
 from fmp.loss_scale import LossScale
 from fmp.loss_scale import NoOpLossScale
@@ -33,6 +35,7 @@ __all__ = [
     "TrainState",
     "all_finite",
     "cast_floating",
+    "fused_unscale_and_adjust",
     "get_policy",
     "half_dtype",
     "mixed_precision_grad",
@@ -40,4 +43,5 @@ __all__ = [
     "optim",
     "select_tree",
     "train_step",
+    "unscale_and_adjust",
 ]

@@ -23,7 +23,7 @@ from fmp._struct import static_field
 from fmp.tree import check_finite_flag
 from fmp.tree import is_inexact_tensor
 
-__all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale"]
+__all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale", "check_scaler"]
 
 Tree = TypeVar("Tree")
 
@@ -293,3 +293,11 @@ class DynamicLossScale(_TensorScale):
 
 LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 """Any of fmp's loss-scale states."""
+
+
+def check_scaler(scaler: Any) -> None:
+    """Raises a TypeError naming the type unless `scaler` is one of fmp's loss-scale states."""
+    if not isinstance(scaler, LossScale):
+        raise TypeError(
+            f"scaler must be an fmp loss-scale state (e.g. DynamicLossScale.create()), got {type(scaler).__name__}"
+        )

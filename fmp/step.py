@@ -1,7 +1,8 @@
 """The mixed-precision training step: cast, scale, differentiate, unscale, check, update, adjust.
 
-Everything here is a pure function of its arguments and reads no tensor value on the host, so a
-step compiles whole under `torch.compile(fullgraph=True)` and maps under `torch.func.vmap`.
+Everything here is a pure function of its arguments (unless the caller donates the state, see
+`train_step`) and reads no tensor value on the host, so a step compiles whole under
+`torch.compile(fullgraph=True)` and maps under `torch.func.vmap`.
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 from typing import TypeVar
+from typing import cast
 
 import torch
 import torch.utils._pytree as pytree
 
 from fmp.loss_scale import LossScale
+from fmp.loss_scale import check_scaler
 from fmp.optim._base import Optimizer
 from fmp.policy import Policy
 from fmp.tree import all_finite
@@ -24,6 +27,7 @@ from fmp.tree import tree_device
 __all__ = ["Gradients", "StepInfo", "TrainState", "mixed_precision_grad", "mixed_precision_step", "train_step"]
 
 Params = TypeVar("Params")
+Tree = TypeVar("Tree")
 LossFn = Callable[..., Any]
 
 
@@ -86,7 +90,7 @@ class TrainState(NamedTuple):
             The state.
         """
         _check_optimizer(optimizer)
-        _check_scaler(scaler)
+        check_scaler(scaler)
         _check_no_module_parameters(params)
         device = tree_device(params)
         if device is not None:
@@ -98,13 +102,6 @@ def _check_optimizer(optimizer: Any) -> None:
     if not isinstance(optimizer, Optimizer):
         raise TypeError(
             f"optimizer must be an fmp.optim.Optimizer (e.g. fmp.optim.adamw()), got {type(optimizer).__name__}"
-        )
-
-
-def _check_scaler(scaler: Any) -> None:
-    if not isinstance(scaler, LossScale):
-        raise TypeError(
-            f"scaler must be an fmp loss-scale state (e.g. DynamicLossScale.create()), got {type(scaler).__name__}"
         )
 
 
@@ -180,7 +177,7 @@ def mixed_precision_grad(
             loss (and a tensor aux), a parameter is not a floating tensor in the param dtype, or
             `scaler` or `policy` is of the wrong type.
     """
-    _check_scaler(scaler)
+    check_scaler(scaler)
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be an fmp.Policy (e.g. fmp.get_policy('c=bf16')), got {type(policy).__name__}")
     _check_params(params, policy)
@@ -201,13 +198,68 @@ def mixed_precision_grad(
     return Gradients(grads, all_finite(grads), loss, aux)
 
 
+def _donate(donated: Tree, new: Tree) -> Tree:
+    """Writes `new` into the buffers of `donated` when compiling.
+
+    Under torch.compile the copy is no extra pass: Inductor stores the update straight into the
+    donated buffers, so a step allocates nothing for its state. Eager, the fresh tensors of `new`
+    are returned as they are (a copy would only add work).
+
+    Args:
+        donated: The state handed over by the caller.
+        new: The new state, of the same structure, shapes and dtypes.
+
+    Returns:
+        A tree with `new`'s values: `donated`'s tensors when compiling, else `new` itself.
+
+    Raises:
+        ValueError: If `donated` lists one tensor twice (its leaves are named).
+    """
+    donated_pairs, spec = pytree.tree_flatten_with_path(donated)
+    first_path: dict[int, str] = {}
+    for path, leaf in donated_pairs:
+        if isinstance(leaf, torch.Tensor):
+            where = f"state{pytree.keystr(path)}"
+            if id(leaf) in first_path:
+                raise ValueError(
+                    f"donate=True needs distinct tensors, but {first_path[id(leaf)]} and {where} are one tensor "
+                    f"(tied weights listed twice?): the step would write two updates into one buffer"
+                )
+            first_path[id(leaf)] = where
+    if not torch.compiler.is_compiling():
+        return new
+    written = [
+        old.copy_(value) if isinstance(old, torch.Tensor) else value
+        for (_, old), value in zip(donated_pairs, pytree.tree_leaves(new), strict=True)
+    ]
+    return cast(Tree, pytree.tree_unflatten(written, spec))
+
+
 def train_step(
-    loss_fn: LossFn, state: TrainState, *args: Any, policy: Policy, optimizer: Optimizer, has_aux: bool = False
+    loss_fn: LossFn,
+    state: TrainState,
+    *args: Any,
+    policy: Policy,
+    optimizer: Optimizer,
+    has_aux: bool = False,
+    donate: bool = False,
 ) -> tuple[TrainState, StepInfo]:
     """One mixed-precision optimizer step; skipped (state kept bit for bit) when gradients overflow.
 
     On a non-finite step the returned params and optimizer state equal the inputs bit for bit and
-    only the scaler moves (it backs off). Inputs are never mutated.
+    only the scaler moves (it backs off). Without `donate`, inputs are never mutated.
+
+    Donation, as `jax.jit`'s `donate_argnums`: with `donate=True` the caller hands over `state`
+    and must not read it after the call. Under `torch.compile` the step then writes the new values
+    into its buffers instead of allocating new ones (the returned state lives in the same
+    buffers), which saves the allocation, the page faults of fresh memory on CPU, and peak memory;
+    with the state's tensors marked static (`torch._dynamo.mark_static_address`) the step replays
+    as CUDA graphs under `mode="reduce-overhead"`. Params made with `v.detach()` share their
+    module's storage, so donating them updates the module too. Eager, `donate` changes nothing. The
+    values are those of the pure step: bit for bit in float32 compute, and in 16-bit compute when
+    Inductor rounds intermediates as eager does (`options={"emulate_precision_casts": True}`);
+    otherwise Inductor's fusions skip 16-bit roundings differently in the two graphs. Do not donate
+    under `torch.func` transforms (`grad`, `vmap`), which need the inputs intact.
 
     Args:
         loss_fn: `loss_fn(params, *args) -> loss`, or `-> (loss, aux)` with `has_aux`; loss 0-dim.
@@ -216,13 +268,18 @@ def train_step(
         policy: The precision policy.
         optimizer: A pure optimizer, e.g. `fmp.optim.adamw(...)`.
         has_aux: Whether `loss_fn` returns `(loss, aux)`.
+        donate: Whether the step may overwrite the tensors of `state` (see above).
 
     Returns:
         `(new_state, info)`; `info.grads_finite` says whether the update was applied.
 
     Raises:
-        TypeError: If `state` is not a TrainState or `optimizer` not an Optimizer.
+        TypeError: If `state` is not a TrainState, `optimizer` not an Optimizer or `donate` not a bool.
+        ValueError: If `donate` and the state lists one tensor twice (under torch.compile Dynamo
+            reports it as `torch._dynamo.exc.Unsupported` carrying this message).
     """
+    if not isinstance(donate, bool):
+        raise TypeError(f"donate must be a bool, got {type(donate).__name__}")
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be an fmp.TrainState (TrainState.create(...)), got {type(state).__name__}")
     _check_optimizer(optimizer)
@@ -233,11 +290,21 @@ def train_step(
     updated = optimizer.update(grads, opt_state, params)
     new_params, new_opt_state = select_tree(grads_finite, updated, (params, opt_state))
     new_state = TrainState(new_params, new_opt_state, scaler.adjust(grads_finite))
-    return new_state, StepInfo(loss, grads_finite, scaler.loss_scale, aux)
+    loss_scale = scaler.loss_scale
+    if donate:
+        loss_scale = loss_scale.clone()  # the donated scaler's buffer receives the new scale
+        new_state = _donate(state, new_state)
+    return new_state, StepInfo(loss, grads_finite, loss_scale, aux)
 
 
 def mixed_precision_step(
-    loss_fn: LossFn, params: Params, scaler: LossScale, *args: Any, policy: Policy, optimizer: Optimizer
+    loss_fn: LossFn,
+    params: Params,
+    scaler: LossScale,
+    *args: Any,
+    policy: Policy,
+    optimizer: Optimizer,
+    donate: bool = False,
 ) -> tuple[Params, LossScale]:
     """One mixed-precision step with a stateless optimizer: `(params, scaler) -> (params, scaler)`.
 
@@ -252,13 +319,14 @@ def mixed_precision_step(
         *args: Further arguments of `loss_fn`.
         policy: The precision policy.
         optimizer: A stateless pure optimizer.
+        donate: Whether the step may overwrite `params` and `scaler` (see `train_step`).
 
     Returns:
         `(new_params, new_scaler)`.
 
     Raises:
         TypeError: If `optimizer` is not an fmp Optimizer (and as `train_step`).
-        ValueError: If the optimizer keeps state.
+        ValueError: If the optimizer keeps state, or (with `donate`) a tensor is listed twice.
     """
     _check_optimizer(optimizer)
     opt_state = optimizer.init(params)
@@ -267,5 +335,7 @@ def mixed_precision_step(
             "mixed_precision_step takes a stateless optimizer; this one keeps state "
             "(momentum, moments): use fmp.train_step with fmp.TrainState.create(params, optimizer, scaler)"
         )
-    new_state, _ = train_step(loss_fn, TrainState(params, opt_state, scaler), *args, policy=policy, optimizer=optimizer)
+    new_state, _ = train_step(
+        loss_fn, TrainState(params, opt_state, scaler), *args, policy=policy, optimizer=optimizer, donate=donate
+    )
     return new_state.params, new_state.scaler

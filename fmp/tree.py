@@ -53,11 +53,39 @@ def cast_floating(tree: Tree, dtype: torch.dtype) -> Tree:
     return cast(Tree, pytree.tree_map(lambda x: x.to(dtype) if is_floating_tensor(x) and x.dtype != dtype else x, tree))
 
 
-def _leaf_finite(x: torch.Tensor) -> torch.Tensor:
+_ROW_LENGTH = 1024
+
+
+def _finite_whole(x: torch.Tensor) -> torch.Tensor:
     # min and max propagate NaN, and are finite only if every element is: one read of the leaf, no
     # temporary (isfinite(x).all() writes a bool copy first, ~20x slower in eager CPU).
-    low, high = torch.aminmax(torch.view_as_real(x) if x.is_complex() else x)
+    low, high = torch.aminmax(x)
     return torch.isfinite(low) & torch.isfinite(high)
+
+
+def _finite_by_rows(x: torch.Tensor) -> torch.Tensor:
+    """`_finite_whole` with the reduction along rows of a 2-D view, then over the rows' flags.
+
+    For GPUs Inductor splits a reduction to one scalar into stages that cannot fuse with the kernel
+    that writes `x`; a reduction along rows can, so a compiled unscale reads each gradient once.
+    """
+    if x.dim() >= 2:
+        rows = x.reshape(x.shape[0], -1)
+    elif x.numel() % _ROW_LENGTH == 0:
+        rows = x.reshape(-1, _ROW_LENGTH)
+    else:
+        rows = x.reshape(1, -1)
+    low, high = torch.aminmax(rows, dim=-1)
+    return torch.isfinite(low).all() & torch.isfinite(high).all()
+
+
+def _leaf_finite(x: torch.Tensor) -> torch.Tensor:
+    x = torch.view_as_real(x) if x.is_complex() else x
+    # Row by row pays only in compiled GPU code: eager, or compiled for a CPU (where Inductor fuses
+    # a full reduction with its producer), one full reduction is 3 to 6 times faster.
+    if x.device.type == "cpu" or not torch.compiler.is_compiling():
+        return _finite_whole(x)
+    return _finite_by_rows(x)
 
 
 def all_finite(tree: Any) -> torch.Tensor:

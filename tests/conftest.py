@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,3 +84,15 @@ def mlp_params(width: int = 8, out: int = 1, seed: int = 0) -> dict[str, torch.T
 def mlp_loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     hidden = F.relu(F.linear(x, params["w1"], params["b1"]))
     return F.mse_loss(F.linear(hidden, params["w2"], params["b2"]), y)
+
+
+def mlp_batches(
+    steps: int, overflow_every: int, *, seed: int = 3, device: torch.device | str = "cpu"
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches for `mlp_loss`; every `overflow_every`-th one (if nonzero) holds an inf input."""
+    gen = torch.Generator().manual_seed(seed)
+    for i in range(steps):
+        x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
+        if overflow_every and i % overflow_every == overflow_every - 1:
+            x[0, 0] = float("inf")
+        yield x.to(device), y.to(device)

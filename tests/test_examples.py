@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # Warnings are errors, as in pytest's own settings, except the one torch's inductor raises at import.
 PYTHON = [sys.executable, "-W", "error", "-W", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"]
@@ -32,9 +34,22 @@ def test_seed_recipe_demo_runs_and_tracks_torch_amp() -> None:
     assert "fmp / torch.amp time:" in result.stdout
 
 
+@pytest.mark.compiled
 def test_readme_quickstart_runs() -> None:
     readme = (EXAMPLES.parent / "README.md").read_text()
     quickstart = readme.split("## Quickstart", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     result = subprocess.run([*PYTHON, "-c", quickstart], capture_output=True, text=True, check=True, timeout=300)
     loss, scale = map(float, result.stdout.split())
     assert loss > 0 and scale == 2.0**16
+
+
+@pytest.mark.compiled
+def test_readme_fast_path_runs_after_the_quickstart() -> None:
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    quickstart = readme.split("## Quickstart", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    fast_path = readme.split("## The fast path", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    check = "print(int(state.opt_state.step), float(info.loss_scale))"
+    script = "\n".join([quickstart, fast_path, check])
+    result = subprocess.run([*PYTHON, "-c", script], capture_output=True, text=True, check=True, timeout=300)
+    steps, scale = result.stdout.split()[-2:]
+    assert int(steps) == 11 and float(scale) == 2.0**16

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,23 +12,17 @@ import torch.utils._pytree as pytree
 from conftest import TOLERANCES
 from conftest import assert_trees_bitwise_equal
 from conftest import assert_trees_close
+from conftest import assert_unmutated
+from conftest import mlp_batches
 from conftest import mlp_loss
 from conftest import mlp_params
+from conftest import snapshot
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import fmp
 
 BF16 = fmp.get_policy("params=float32,compute=bfloat16,output=float32")
 ADAMW = fmp.optim.adamw(1e-2)
-
-
-def batches(steps: int, overflow_every: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(3)
-    for i in range(steps):
-        x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
-        if overflow_every and i % overflow_every == overflow_every - 1:
-            x[0, 0] = float("inf")
-        yield x, y
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +42,7 @@ def test_compiled_step_matches_eager_without_recompiling(
     scaler = fmp.DynamicLossScale.create(init_scale=2.0**10, growth_interval=2)
     eager_state = compiled_state = fmp.TrainState.create(mlp_params(), ADAMW, scaler)
     scales, skips = set(), 0
-    for x, y in batches(20, overflow_every=5):
+    for x, y in mlp_batches(20, overflow_every=5):
         eager_state, eager_info = fmp.train_step(mlp_loss, eager_state, x, y, policy=BF16, optimizer=ADAMW)
         compiled_state, info = compiled(compiled_state, x, y)
         assert bool(info.grads_finite) == bool(eager_info.grads_finite)
@@ -60,8 +53,91 @@ def test_compiled_step_matches_eager_without_recompiling(
     assert skips == 4 and len(scales) > 3  # the scale moved both ways...
     assert counter.frame_count == 1  # ...and the step compiled once, as one graph
     # A fresh scaler with another value but the same hyperparameters reuses the graph too.
-    compiled(fmp.TrainState.create(mlp_params(), ADAMW, scaler), *next(batches(1, 0)))
+    compiled(fmp.TrainState.create(mlp_params(), ADAMW, scaler), *next(mlp_batches(1, 0)))
     assert counter.frame_count == 1
+
+
+@pytest.mark.compiled
+def test_a_thousand_compiled_steps_compile_once(
+    compiled_train_step: tuple[Callable[..., Any], CompileCounterWithBackend],
+) -> None:
+    compiled, counter = compiled_train_step
+    scaler = fmp.DynamicLossScale.create(init_scale=2.0**10, growth_interval=2)
+    state = fmp.TrainState.create(mlp_params(), ADAMW, scaler)
+    data = list(mlp_batches(1000, overflow_every=7))
+    state, _ = compiled(state, *data[0])
+    graphs = counter.frame_count
+    finite, scales = [], []
+    for x, y in data[1:]:
+        state, info = compiled(state, x, y)
+        finite.append(info.grads_finite)
+        scales.append(info.loss_scale)
+    assert counter.frame_count == graphs == 1
+    applied, scale = torch.stack(finite), torch.stack(scales)
+    assert int((~applied).sum()) == 1000 // 7  # every seventh batch holds an inf
+    assert bool((scale.diff() > 0).any() and (scale.diff() < 0).any())  # the scale moved both ways
+    assert int(state.opt_state.step) == int(applied.sum()) + 1  # skipped steps leave Adam's count alone
+
+
+@pytest.mark.compiled
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
+def test_donated_compiled_step_reuses_the_buffers_bit_identically(compute: str) -> None:
+    torch._dynamo.reset()
+    optimizer = fmp.optim.sgd(0.1, momentum=0.9)
+    policy = fmp.get_policy(f"params=float32,compute={compute},output=float32")
+    # Inductor skips intermediate bf16 roundings differently per fusion unless told to round as eager
+    # does; with that, the donating graph computes exactly what the pure one does. float32 needs nothing.
+    options = {"emulate_precision_casts": True} if compute == "bfloat16" else {}
+    pure_step, donating_step = (
+        torch.compile(
+            functools.partial(fmp.train_step, mlp_loss, policy=policy, optimizer=optimizer, donate=donate),
+            fullgraph=True,
+            options=options,
+        )
+        for donate in (False, True)
+    )
+    pure = donated = fmp.TrainState.create(mlp_params(), optimizer, fmp.DynamicLossScale.create(2.0**10))
+    donated = pytree.tree_map(torch.clone, donated)
+    for x, y in mlp_batches(6, overflow_every=3):
+        buffers = [t.data_ptr() for t in pytree.tree_leaves((donated.params, donated.opt_state))]
+        pure, _ = pure_step(pure, x, y)
+        donated, _ = donating_step(donated, x, y)
+        assert [t.data_ptr() for t in pytree.tree_leaves((donated.params, donated.opt_state))] == buffers
+        assert_trees_bitwise_equal(donated, pure)
+
+
+def test_eager_donation_changes_nothing() -> None:
+    optimizer = fmp.optim.sgd(0.1, momentum=0.9)
+    state = fmp.TrainState.create(mlp_params(), optimizer, fmp.DynamicLossScale.create())
+    before = snapshot(state)
+    x, y = next(mlp_batches(1, 0))
+    donated, _ = fmp.train_step(mlp_loss, state, x, y, policy=BF16, optimizer=optimizer, donate=True)
+    pure, _ = fmp.train_step(mlp_loss, state, x, y, policy=BF16, optimizer=optimizer)
+    assert_trees_bitwise_equal(donated, pure)
+    assert_unmutated(state, before)
+
+
+def test_donating_a_tensor_listed_twice_is_refused() -> None:
+    params = mlp_params()
+    params["w1_tied"] = params["w1"]
+    optimizer = fmp.optim.sgd(0.1)
+
+    def tied_loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return mlp_loss(params, x, y) + params["w1_tied"].sum()
+
+    step = torch.compile(
+        functools.partial(fmp.train_step, tied_loss, policy=BF16, optimizer=optimizer, donate=True),
+        backend="eager",  # the check runs while tracing; no code generation needed
+        fullgraph=True,
+    )
+    state, (x, y) = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create()), next(mlp_batches(1, 0))
+    message = r"state\.params\['w1'\] and state\.params\['w1_tied'\] are one tensor"
+    with pytest.raises(ValueError, match=message):
+        fmp.train_step(tied_loss, state, x, y, policy=BF16, optimizer=optimizer, donate=True)
+    with pytest.raises(RuntimeError, match=message):  # Dynamo wraps the ValueError raised while tracing
+        step(state, x, y)
+    with pytest.raises(TypeError, match="donate must be a bool"):
+        fmp.train_step(tied_loss, state, x, y, policy=BF16, optimizer=optimizer, donate="yes")  # type: ignore[arg-type]
 
 
 @pytest.mark.compiled
@@ -77,7 +153,7 @@ def test_compiled_step_takes_other_scaler_hyperparameters(
             init_scale=2.0**10, growth_factor=factors[0], backoff_factor=factors[1], growth_interval=1
         )
         eager_state = compiled_state = fmp.TrainState.create(mlp_params(), ADAMW, scaler)
-        for x, y in batches(3, overflow_every=2):
+        for x, y in mlp_batches(3, overflow_every=2):
             eager_state, _ = fmp.train_step(mlp_loss, eager_state, x, y, policy=BF16, optimizer=ADAMW)
             compiled_state, _ = compiled(compiled_state, x, y)
             assert_trees_bitwise_equal(compiled_state.scaler, eager_state.scaler)
@@ -95,7 +171,7 @@ def test_compiled_short_form_skips_bit_for_bit() -> None:
         fullgraph=True,
     )
     params, scaler = mlp_params(), fmp.DynamicLossScale.create()
-    for x, y in batches(3, overflow_every=2):
+    for x, y in mlp_batches(3, overflow_every=2):
         new_params, new_scaler = step(params, scaler, x, y)
         eager_params, eager_scaler = fmp.mixed_precision_step(
             mlp_loss, params, scaler, x, y, policy=BF16, optimizer=optimizer
@@ -124,7 +200,7 @@ def test_vmap_over_an_ensemble_gives_each_member_its_own_scale() -> None:
         )
         for s, k in [(0, 4), (1, 8), (2, 12)]
     ]
-    data = [next(batches(1, 0)) for _ in range(3)]
+    data = [next(mlp_batches(1, 0)) for _ in range(3)]
     xs, ys = torch.stack([x for x, _ in data]), torch.stack([y for _, y in data])
     xs[1, 2, 3] = float("nan")  # member 1 alone overflows
     step = torch.func.vmap(functools.partial(fmp.train_step, mlp_loss, policy=policy, optimizer=ADAMW))
@@ -139,7 +215,7 @@ def test_vmap_over_an_ensemble_gives_each_member_its_own_scale() -> None:
 
 
 def test_vmap_over_per_example_gradients_in_bf16() -> None:
-    params, (x, y) = mlp_params(), next(batches(1, 0))
+    params, (x, y) = mlp_params(), next(mlp_batches(1, 0))
     scaler = fmp.DynamicLossScale.create()
 
     def per_example(x1: torch.Tensor, y1: torch.Tensor) -> fmp.Gradients:
@@ -154,7 +230,7 @@ def test_vmap_over_per_example_gradients_in_bf16() -> None:
 
 def test_grad_through_a_train_step_equals_the_plain_meta_gradient() -> None:
     # Differentiate a validation loss through one fmp step w.r.t. the training inputs (meta-learning).
-    params, (x, y), (x_val, y_val) = mlp_params(), next(batches(1, 0)), next(batches(2, 0))
+    params, (x, y), (x_val, y_val) = mlp_params(), next(mlp_batches(1, 0)), next(mlp_batches(2, 0))
     optimizer = fmp.optim.sgd(0.1)
 
     def after_fmp_step(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,130 @@
+"""Unscale + finite check + scale update: fmp fused vs GradScaler's kernels vs eager, side by side.
+
+Every contender reads each gradient once and writes it once (torch's kernel in place, fmp into new
+tensors), so all move the bytes of a copy of the gradients; GB/s counts bytes read plus written,
+and each row prints its share of the copy's bandwidth and its time relative to torch's kernels.
+
+  copy                 a clone of every gradient: the bandwidth of reading and writing them once
+                       (launch-bound for many small gradients, as the fmp rows are)
+  torch kernels        torch._amp_foreach_non_finite_check_and_unscale_ + torch._amp_update_scale_
+  fmp eager            fmp.unscale_and_adjust, op by op
+  fmp fused            fmp.fused_unscale_and_adjust (torch.compile, fullgraph)
+  fmp fused graph      the same replayed as a CUDA graph (GPU, cases under 4 GB)
+
+Cases: 200 gradients of 262,144 float32, and the 291 parameter shapes of a 7B Llama-style model
+(full size on a GPU; each dimension divided by --shrink on CPU, 8 by default).
+
+    python benchmarks/bench_unscale.py [--device cuda] [--reps 20] [--shrink 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+from _common import describe_machine
+from _common import median_seconds
+from _common import synchronize
+
+import fmp
+
+Grads = list[torch.Tensor]
+
+
+def llama_7b_shapes(shrink: int) -> list[tuple[int, ...]]:
+    """Parameter shapes of a 7B Llama-style model (32 layers, width 4096, MLP 11008, vocab 32000)."""
+
+    def dim(n: int) -> int:
+        return -(-n // shrink)
+
+    width, mlp, vocab = dim(4096), dim(11008), dim(32000)
+    layer = [(width, width)] * 4 + [(mlp, width), (mlp, width), (width, mlp), (width,), (width,)]
+    return [(vocab, width), *layer * 32, (width,), (vocab, width)]
+
+
+def check_agreement(grads: Grads, scale: float) -> None:
+    """fmp's fused and eager results equal GradScaler's kernel bit for bit (first 8 leaves)."""
+    sample = [g[:64].clone() for g in grads[:8]]
+    scaler = fmp.StaticLossScale.create(scale, device=grads[0].device)
+    eager, eager_finite, _ = fmp.unscale_and_adjust(scaler, sample)
+    fused, fused_finite, _ = fmp.fused_unscale_and_adjust(scaler, sample)
+    found_inf = torch.zeros(1, device=grads[0].device)
+    inverse = torch.full((1,), scale, dtype=torch.float64, device=grads[0].device).reciprocal().float()
+    torch._amp_foreach_non_finite_check_and_unscale_(sample, found_inf, inverse)
+    for ours, theirs, other in zip(fused, sample, eager, strict=True):
+        if not (torch.equal(ours, theirs) and torch.equal(ours, other)):
+            raise AssertionError("fmp's unscale differs from GradScaler's")
+    if not (bool(fused_finite) == bool(eager_finite) == (float(found_inf) == 0.0)):
+        raise AssertionError("fmp's finite flag differs from GradScaler's")
+
+
+def contenders(grads: Grads) -> dict[str, Callable[[], object]]:
+    device = grads[0].device
+    scale, tracker = torch.ones((), device=device), torch.zeros((), dtype=torch.int32, device=device)
+    found_inf = torch.zeros((), device=device)
+    scaler = fmp.DynamicLossScale.create(1.0, device=device)
+
+    def torch_kernels() -> None:
+        found_inf.zero_()
+        inverse = scale.double().reciprocal().float()
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inverse)
+        torch._amp_update_scale_(scale, tracker, found_inf, 2.0, 0.5, 2000)
+
+    timed: dict[str, Callable[[], object]] = {
+        "copy": lambda: [g.clone() for g in grads],
+        "torch kernels": torch_kernels,
+        "fmp eager": lambda: fmp.unscale_and_adjust(scaler, grads),
+        "fmp fused": lambda: fmp.fused_unscale_and_adjust(scaler, grads),
+    }
+    if device.type == "cuda" and sum(g.numel() for g in grads) < 2**30:
+        # Replayed as one CUDA graph, as inside a step compiled with mode="reduce-overhead"; the
+        # gradients stay where they are (as a step's would), so the graph reads them in place.
+        for g in grads:
+            torch._dynamo.mark_static_address(g)
+        graphed = torch.compile(
+            fmp.unscale_and_adjust, fullgraph=True, options={"triton.cudagraphs": True, "combo_kernels": True}
+        )
+        timed["fmp fused graph"] = lambda: graphed(scaler, grads)
+    return timed
+
+
+def run_case(name: str, shapes: list[tuple[int, ...]], device: torch.device, reps: int) -> None:
+    torch.manual_seed(0)
+    grads = [torch.randn(shape, device=device) for shape in shapes]
+    torch._dynamo.reset()  # a fresh compile for these shapes, not a dynamic-shape recompile
+    moved = 2 * sum(g.numel() * g.element_size() for g in grads)  # each byte read once, written once
+    start = time.perf_counter()
+    fmp.fused_unscale_and_adjust(fmp.DynamicLossScale.create(1.0, device=device), grads)
+    synchronize(device)
+    compile_seconds = time.perf_counter() - start
+    seconds = {label: median_seconds(fn, device, reps) for label, fn in contenders(grads).items()}
+    print(f"\n{name}: {len(grads)} gradients, {moved / 2 / 1e9:.3f} GB float32")
+    for label, t in seconds.items():
+        print(
+            f"  {label:>15}: {t * 1e3:9.3f} ms  {moved / t / 1e9:8.1f} GB/s  "
+            f"{seconds['copy'] / t:6.1%} of copy  time ratio to torch kernels {t / seconds['torch kernels']:5.2f}"
+        )
+    print(f"  fmp fused: first call (compile) {compile_seconds:.1f} s")
+    check_agreement(grads, scale=3.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--reps", type=int, default=None, help="timed calls per contender (20 on GPU, 5 on CPU)")
+    parser.add_argument("--shrink", type=int, default=None, help="divide 7B dims by this (1 on GPU, 8 on CPU)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
+    reps = args.reps or (20 if on_gpu else 5)
+    shrink = args.shrink or (1 if on_gpu else 8)
+    print(describe_machine(device))
+    run_case("uniform", [(262_144,)] * 200, device, reps)
+    label = "7B-shaped" if shrink == 1 else f"7B-shaped, each dimension / {shrink}"
+    run_case(label, llama_7b_shapes(shrink), device, reps)
+
+
+if __name__ == "__main__":
+    main()

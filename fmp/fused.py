@@ -1,0 +1,91 @@
+"""The scaler's per-step work, unscale, finite check and scale update, as one pure function.
+
+`unscale_and_adjust` is what a training step does between backward and the optimizer, for
+gradients computed outside fmp's step. Eager, it runs as a handful of torch ops per gradient;
+`fused_unscale_and_adjust` is the same function compiled by `torch.compile(fullgraph=True)`, which
+makes one pass per gradient (read it, write the unscaled copy, reduce the finite flag in the same
+loop) and, on GPUs, groups those passes into a few launches with combo kernels. Inside a compiled
+`fmp.train_step` the unscale has no pass of its own: it folds into the optimizer's kernels, no
+unscaled gradient is written out, and the gradients are read twice (the check, then the update).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+from typing import TypeVar
+from typing import cast
+
+import torch
+
+from fmp.loss_scale import LossScale
+from fmp.loss_scale import check_scaler
+from fmp.tree import all_finite
+from fmp.tree import tree_device
+
+__all__ = ["fused_unscale_and_adjust", "unscale_and_adjust"]
+
+Tree = TypeVar("Tree")
+ScaleT = TypeVar("ScaleT", bound=LossScale)
+
+
+def unscale_and_adjust(scaler: ScaleT, scaled_grads: Tree) -> tuple[Tree, torch.Tensor, ScaleT]:
+    """Unscales gradients, checks them, and moves the scale: `torch.amp`'s unscale_ plus update.
+
+    Unlike GradScaler's kernel, which checks only the scaled gradients, the check reads the
+    unscaled values, so a gradient that overflows when divided by a scale below 1 is caught.
+
+    Args:
+        scaler: The loss-scale state the gradients were computed with.
+        scaled_grads: A pytree of gradients of the scaled loss.
+
+    Returns:
+        `(grads, grads_finite, new_scaler)`: the unscaled gradients (each in its input dtype), a
+        0-dim bool tensor that is True when all are finite, and the adjusted scaler state.
+
+    Raises:
+        TypeError: If `scaler` is not an fmp loss-scale state.
+        ValueError: If the scaler's tensors are on another device than the gradients.
+    """
+    check_scaler(scaler)
+    grads_device, scaler_device = tree_device(scaled_grads), tree_device(scaler)
+    if grads_device is not None and scaler_device is not None and grads_device != scaler_device:
+        raise ValueError(
+            f"the scaler is on {scaler_device} but the gradients are on {grads_device}; "
+            f"create it there (e.g. DynamicLossScale.create(device={str(grads_device)!r}))"
+        )
+    grads = scaler.unscale(scaled_grads)
+    grads_finite = all_finite(grads)
+    return grads, grads_finite, cast(ScaleT, scaler.adjust(grads_finite))
+
+
+@functools.cache
+def _compiled_unscale_and_adjust() -> Callable[..., Any]:
+    # Compiled lazily, on first use, so importing fmp does not load the compiler.
+    # Combo kernels fuse the per-gradient kernels side by side into a few launches on GPUs.
+    return torch.compile(unscale_and_adjust, fullgraph=True, options={"combo_kernels": True})
+
+
+def fused_unscale_and_adjust(scaler: ScaleT, scaled_grads: Tree) -> tuple[Tree, torch.Tensor, ScaleT]:
+    """`unscale_and_adjust` compiled into one fused kernel by `torch.compile(fullgraph=True)`.
+
+    The first call with a new gradient structure (shapes, dtypes, devices) or new scaler
+    hyperparameters compiles; later calls with the same ones reuse the graph whatever the scale's
+    value. After a shape changes Dynamo compiles a dynamic-shape graph, and past its recompile
+    limit (8 by default) it runs the function eagerly with a warning. Results equal
+    `unscale_and_adjust`'s bit for bit.
+
+    Args:
+        scaler: The loss-scale state the gradients were computed with.
+        scaled_grads: A pytree of gradients of the scaled loss.
+
+    Returns:
+        `(grads, grads_finite, new_scaler)`, as `unscale_and_adjust`.
+
+    Raises:
+        TypeError, ValueError: As `unscale_and_adjust`, raised before compiling.
+    """
+    check_scaler(scaler)
+    result: tuple[Tree, torch.Tensor, ScaleT] = _compiled_unscale_and_adjust()(scaler, scaled_grads)
+    return result

@@ -1,0 +1,159 @@
+"""On a CUDA device: no host syncs in a step, a step captured whole in a CUDA graph, exact unscale.
+
+Skipped without a GPU; run on one with `python -m pytest tests/test_cuda.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from conftest import TOLERANCES
+from conftest import assert_trees_bitwise_equal
+from conftest import assert_trees_close
+from conftest import mlp_batches
+from conftest import mlp_loss
+from conftest import mlp_params
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import fmp
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype:UserWarning"),
+    # cudagraph trees capture partitions that hold no kernel (only views, say); torch warns about each.
+    pytest.mark.filterwarnings("ignore:The CUDA Graph is empty:UserWarning"),
+]
+
+CUDA = torch.device("cuda")
+FP16 = fmp.get_policy("params=float32,compute=float16,output=float32")
+SGD = fmp.optim.sgd(1e-2, momentum=0.9)
+
+
+def cuda_batches(steps: int, overflow_every: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    return mlp_batches(steps, overflow_every, seed=5, device=CUDA)
+
+
+def cuda_state(optimizer: fmp.optim.Optimizer = SGD) -> fmp.TrainState:
+    params = pytree.tree_map(lambda t: t.to(CUDA), mlp_params())
+    scaler = fmp.DynamicLossScale.create(init_scale=2.0**10, growth_interval=2)
+    return fmp.TrainState.create(params, optimizer, scaler)
+
+
+def run_without_syncs(step: Callable[..., Any], state: fmp.TrainState, steps: int) -> fmp.TrainState:
+    data = list(cuda_batches(steps, overflow_every=3))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host sync inside the steps raises
+    try:
+        for x, y in data:
+            state, _ = step(state, x, y)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return state
+
+
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
+def test_eager_step_never_syncs_with_the_host(optimizer_name: str) -> None:
+    optimizer = SGD if optimizer_name == "sgd" else fmp.optim.adamw(1e-2)
+    step = functools.partial(fmp.train_step, mlp_loss, policy=FP16, optimizer=optimizer)
+    state = cuda_state(optimizer)
+    state, _ = step(state, *next(cuda_batches(1, 0)))  # first use initialises cuBLAS, which may sync
+    run_without_syncs(step, state, steps=6)
+
+
+@pytest.mark.compiled
+@pytest.mark.parametrize(
+    ("optimizer_name", "donate", "mode"),
+    [("sgd", False, "default"), ("adamw", True, "default"), ("sgd", True, "reduce-overhead")],
+)
+def test_compiled_step_never_syncs_with_the_host(optimizer_name: str, donate: bool, mode: str) -> None:
+    torch._dynamo.reset()
+    optimizer = SGD if optimizer_name == "sgd" else fmp.optim.adamw(1e-2)
+    step = functools.partial(fmp.train_step, mlp_loss, policy=FP16, optimizer=optimizer, donate=donate)
+    if mode == "default":
+        counter = CompileCounterWithBackend("inductor")
+        compiled = torch.compile(step, backend=counter, fullgraph=True)
+    else:
+        compiled = torch.compile(step, mode=mode, fullgraph=True)
+    state = cuda_state(optimizer)
+    if donate:
+        for tensor in pytree.tree_leaves(state):
+            torch._dynamo.mark_static_address(tensor)
+    for x, y in cuda_batches(3, 0):  # compiles (autotuning may sync) and, in a CUDA graph mode, records
+        state, _ = compiled(state, x, y)
+    run_without_syncs(compiled, state, steps=6)
+    if mode == "default":
+        assert counter.frame_count == 1
+
+
+@pytest.mark.compiled
+def test_donated_step_replays_as_cuda_graphs_and_matches_eager() -> None:
+    torch._dynamo.reset()
+    eager = functools.partial(fmp.train_step, mlp_loss, policy=FP16, optimizer=SGD)
+    graphed = torch.compile(functools.partial(eager, donate=True), mode="reduce-overhead", fullgraph=True)
+    torch._dynamo.utils.counters.clear()
+    eager_state, graphed_state = cuda_state(), cuda_state()
+    for tensor in pytree.tree_leaves(graphed_state):
+        torch._dynamo.mark_static_address(tensor)  # updated in place inside the graph, never copied
+    skips = 0
+    for x, y in cuda_batches(12, overflow_every=4):
+        eager_state, info = eager(eager_state, x, y)
+        graphed_state, graphed_info = graphed(graphed_state, x, y)
+        assert bool(graphed_info.grads_finite) == bool(info.grads_finite)
+        assert float(graphed_info.loss_scale) == float(info.loss_scale)
+        skips += not bool(info.grads_finite)
+        assert_trees_bitwise_equal(graphed_state.scaler, eager_state.scaler)
+        assert_trees_close(graphed_state.params, eager_state.params, **TOLERANCES[torch.float16])
+    assert skips == 3
+    assert not torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+
+
+@pytest.mark.compiled
+def test_donated_compiled_step_writes_in_place_bit_identically() -> None:
+    torch._dynamo.reset()
+    steps = {
+        donate: torch.compile(
+            functools.partial(fmp.train_step, mlp_loss, policy=FP16, optimizer=SGD, donate=donate),
+            fullgraph=True,
+            options={"emulate_precision_casts": True},  # round float16 intermediates as eager does
+        )
+        for donate in (False, True)
+    }
+    pure, donated = cuda_state(), cuda_state()
+    for x, y in cuda_batches(6, overflow_every=3):
+        pointers = [t.data_ptr() for t in pytree.tree_leaves(donated)]
+        pure, _ = steps[False](pure, x, y)
+        donated, _ = steps[True](donated, x, y)
+        assert [t.data_ptr() for t in pytree.tree_leaves(donated)] == pointers
+        assert_trees_bitwise_equal(donated, pure)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fused_unscale_matches_eager_and_grad_scalers_kernel(dtype: torch.dtype) -> None:
+    # Shapes that take each branch of the row-wise check compiled GPU code uses.
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(3,), (4097,), (2048,), (33, 17)]
+    grads = [(torch.randn(shape, generator=gen) * 100).to(dtype).to(CUDA) for shape in shapes]
+    scaler = fmp.DynamicLossScale.create(init_scale=3.0, device=CUDA)
+    for poisoned in (None, 1, 2, 3):
+        step_grads = [g.clone() for g in grads]
+        if poisoned is not None:
+            step_grads[poisoned].view(-1)[poisoned * 5] = float("nan")
+        fused = fmp.fused_unscale_and_adjust(scaler, step_grads)
+        assert_trees_bitwise_equal(fused, fmp.unscale_and_adjust(scaler, step_grads))
+        assert bool(fused[1]) == (poisoned is None)
+    if dtype == torch.bfloat16:
+        return  # GradScaler's CUDA kernel does not take bfloat16 gradients (NotImplementedError)
+    unscaled, _, _ = fmp.fused_unscale_and_adjust(scaler, grads)
+    reference = [g.clone() for g in grads]
+    found_inf = torch.zeros(1, device=CUDA)
+    inverse = torch.full((1,), 3.0, dtype=torch.float64, device=CUDA).reciprocal().float()
+    torch._amp_foreach_non_finite_check_and_unscale_(reference, found_inf, inverse)
+    for ours, theirs in zip(unscaled, reference, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert float(found_inf) == 0.0

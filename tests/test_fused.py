@@ -1,0 +1,104 @@
+"""unscale_and_adjust and its compiled form against GradScaler's own kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from conftest import assert_trees_bitwise_equal
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fmp
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def grad_scaler_unscale(grads: list[torch.Tensor], scale: float) -> tuple[list[torch.Tensor], bool]:
+    """GradScaler's unscale kernel on copies of `grads`: (unscaled, found_inf)."""
+    unscaled = [g.clone() for g in grads]
+    found_inf = torch.zeros(1)
+    inverse = torch.full((1,), scale, dtype=torch.float64).reciprocal().float()
+    torch._amp_foreach_non_finite_check_and_unscale_(unscaled, found_inf, inverse)
+    return unscaled, bool(found_inf)
+
+
+def sample_grads(dtype: torch.dtype) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [(torch.randn(shape, generator=gen) * 100).to(dtype) for shape in [(3,), (33, 17), (2048,), ()]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", [3.0, 2.0**16, 0.75])
+def test_unscale_matches_grad_scalers_kernel_bit_for_bit(dtype: torch.dtype, scale: float) -> None:
+    grads = sample_grads(dtype)
+    scaler = fmp.DynamicLossScale.create(init_scale=scale, growth_interval=1)
+    unscaled, finite, new_scaler = fmp.unscale_and_adjust(scaler, grads)
+    reference, found_inf = grad_scaler_unscale(grads, scale)
+    assert_trees_bitwise_equal(unscaled, reference)
+    assert bool(finite) is not found_inf
+    assert_trees_bitwise_equal(new_scaler, scaler.adjust(finite))
+    assert float(new_scaler.loss_scale) == scale * 2  # growth_interval=1: a finite step grows the scale
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_gradients_back_the_scale_off(bad: float) -> None:
+    grads = sample_grads(torch.float16)
+    grads[1][5, 3] = bad
+    scaler = fmp.DynamicLossScale.create(init_scale=2.0**8)
+    _, finite, new_scaler = fmp.unscale_and_adjust(scaler, grads)
+    assert not bool(finite) and grad_scaler_unscale(grads, 2.0**8)[1]
+    assert float(new_scaler.loss_scale) == 2.0**7
+
+
+def test_an_overflow_that_appears_only_when_unscaling_is_caught() -> None:
+    # A scale below 1 multiplies on unscaling: 3e38 / 0.5 is inf in float32. GradScaler's kernel
+    # checks the scaled value only and reports the step finite; fmp checks what the optimizer gets.
+    grads = [torch.tensor([3e38, 1.0])]
+    unscaled, found_inf = grad_scaler_unscale(grads, 0.5)
+    assert not found_inf and torch.isinf(unscaled[0][0])
+    _, finite, new_scaler = fmp.unscale_and_adjust(fmp.DynamicLossScale.create(init_scale=0.5), grads)
+    assert not bool(finite) and float(new_scaler.loss_scale) == 0.25
+
+
+def test_wrong_scalers_are_named() -> None:
+    with pytest.raises(TypeError, match="scaler must be an fmp loss-scale state"):
+        fmp.unscale_and_adjust(2.0**16, [torch.ones(3)])  # type: ignore[type-var]
+    with pytest.raises(TypeError, match="scaler must be an fmp loss-scale state"):
+        fmp.fused_unscale_and_adjust(None, [torch.ones(3)])  # type: ignore[type-var]
+    on_meta = pytree.tree_map(lambda t: t.to("meta"), fmp.DynamicLossScale.create())
+    with pytest.raises(ValueError, match="the scaler is on meta but the gradients are on cpu"):
+        fmp.unscale_and_adjust(on_meta, [torch.ones(3)])
+
+
+@given(
+    values=st.lists(
+        st.floats(width=32, allow_nan=True, allow_infinity=True) | st.sampled_from([3e38, -3e38]),
+        min_size=1,
+        max_size=40,
+    ),
+    exponent=st.integers(-4, 20),
+)
+def test_the_flag_says_whether_every_unscaled_gradient_is_finite(values: list[float], exponent: int) -> None:
+    grads = [torch.tensor(values, dtype=torch.float32)]
+    scaler = fmp.StaticLossScale.create(2.0**exponent)
+    unscaled, finite, _ = fmp.unscale_and_adjust(scaler, grads)
+    assert bool(finite) == bool(torch.isfinite(unscaled[0]).all())
+
+
+@pytest.mark.compiled
+def test_fused_form_equals_the_eager_one_bit_for_bit_without_recompiling() -> None:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    scaler = fmp.DynamicLossScale.create(init_scale=3.0, growth_interval=2)
+    grads = [*sample_grads(torch.float32), sample_grads(torch.float16)[1]]
+    poisoned = [g.clone() for g in grads]
+    poisoned[2][100] = float("nan")
+    for step in range(4):
+        step_grads = poisoned if step == 2 else grads
+        eager = fmp.unscale_and_adjust(scaler, step_grads)
+        fused = fmp.fused_unscale_and_adjust(scaler, step_grads)
+        assert_trees_bitwise_equal(fused, eager)
+        scaler = fused[2]
+    assert float(scaler.loss_scale) == 3.0  # grew once (steps 0, 1), backed off once (step 2)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
