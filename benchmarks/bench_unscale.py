@@ -9,6 +9,7 @@ and each row prints its share of the copy's bandwidth and its time relative to t
   torch kernels        torch._amp_foreach_non_finite_check_and_unscale_ + torch._amp_update_scale_
   fmp eager            fmp.unscale_and_adjust, op by op
   fmp fused            fmp.fused_unscale_and_adjust (torch.compile, fullgraph)
+  fmp fused donated    the same with donate=True: the unscaled values overwrite the gradients
   fmp fused graph      the same replayed as a CUDA graph (GPU, cases under 4 GB)
 
 Cases: 200 gradients of 262,144 float32, and the 291 parameter shapes of a 7B Llama-style model
@@ -77,6 +78,8 @@ def contenders(grads: Grads) -> dict[str, Callable[[], object]]:
         "torch kernels": torch_kernels,
         "fmp eager": lambda: fmp.unscale_and_adjust(scaler, grads),
         "fmp fused": lambda: fmp.fused_unscale_and_adjust(scaler, grads),
+        # In place, as torch's kernel; the scale stays 1, so repeated calls keep the values.
+        "fmp fused donated": lambda: fmp.fused_unscale_and_adjust(scaler, grads, donate=True),
     }
     if device.type == "cuda" and sum(g.numel() for g in grads) < 2**30:
         # Replayed as one CUDA graph, as inside a step compiled with mode="reduce-overhead"; the
@@ -103,7 +106,7 @@ def run_case(name: str, shapes: list[tuple[int, ...]], device: torch.device, rep
     print(f"\n{name}: {len(grads)} gradients, {moved / 2 / 1e9:.3f} GB float32")
     for label, t in seconds.items():
         print(
-            f"  {label:>15}: {t * 1e3:9.3f} ms  {moved / t / 1e9:8.1f} GB/s  "
+            f"  {label:>17}: {t * 1e3:9.3f} ms  {moved / t / 1e9:8.1f} GB/s  "
             f"{seconds['copy'] / t:6.1%} of copy  time ratio to torch kernels {t / seconds['torch kernels']:5.2f}"
         )
     print(f"  fmp fused: first call (compile) {compile_seconds:.1f} s")

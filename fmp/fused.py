@@ -22,6 +22,7 @@ import torch
 from fmp.loss_scale import LossScale
 from fmp.loss_scale import check_scaler
 from fmp.tree import all_finite
+from fmp.tree import donate_into
 from fmp.tree import tree_device
 
 __all__ = ["fused_unscale_and_adjust", "unscale_and_adjust"]
@@ -30,7 +31,9 @@ Tree = TypeVar("Tree")
 ScaleT = TypeVar("ScaleT", bound=LossScale)
 
 
-def unscale_and_adjust(scaler: ScaleT, scaled_grads: Tree) -> tuple[Tree, torch.Tensor, ScaleT]:
+def unscale_and_adjust(
+    scaler: ScaleT, scaled_grads: Tree, *, donate: bool = False
+) -> tuple[Tree, torch.Tensor, ScaleT]:
     """Unscales gradients, checks them, and moves the scale: `torch.amp`'s unscale_ plus update.
 
     Unlike GradScaler's kernel, which checks only the scaled gradients, the check reads the
@@ -39,16 +42,22 @@ def unscale_and_adjust(scaler: ScaleT, scaled_grads: Tree) -> tuple[Tree, torch.
     Args:
         scaler: The loss-scale state the gradients were computed with.
         scaled_grads: A pytree of gradients of the scaled loss.
+        donate: Whether the caller hands `scaled_grads` over: compiled, the unscaled values are then
+            written into their buffers (as GradScaler's in-place kernel does) instead of new tensors,
+            which on CPU spares fresh pages and their faults. Eager, it changes nothing.
 
     Returns:
         `(grads, grads_finite, new_scaler)`: the unscaled gradients (each in its input dtype), a
         0-dim bool tensor that is True when all are finite, and the adjusted scaler state.
 
     Raises:
-        TypeError: If `scaler` is not an fmp loss-scale state.
-        ValueError: If the scaler's tensors are on another device than the gradients.
+        TypeError: If `scaler` is not an fmp loss-scale state or `donate` not a bool.
+        ValueError: If the scaler's tensors are on another device than the gradients, or (with
+            `donate`) a gradient tensor is listed twice.
     """
     check_scaler(scaler)
+    if not isinstance(donate, bool):
+        raise TypeError(f"donate must be a bool, got {type(donate).__name__}")
     grads_device, scaler_device = tree_device(scaled_grads), tree_device(scaler)
     if grads_device is not None and scaler_device is not None and grads_device != scaler_device:
         raise ValueError(
@@ -57,6 +66,8 @@ def unscale_and_adjust(scaler: ScaleT, scaled_grads: Tree) -> tuple[Tree, torch.
         )
     grads = scaler.unscale(scaled_grads)
     grads_finite = all_finite(grads)
+    if donate:
+        grads = donate_into(scaled_grads, grads, "scaled_grads")
     return grads, grads_finite, cast(ScaleT, scaler.adjust(grads_finite))
 
 
@@ -67,7 +78,9 @@ def _compiled_unscale_and_adjust() -> Callable[..., Any]:
     return torch.compile(unscale_and_adjust, fullgraph=True, options={"combo_kernels": True})
 
 
-def fused_unscale_and_adjust(scaler: ScaleT, scaled_grads: Tree) -> tuple[Tree, torch.Tensor, ScaleT]:
+def fused_unscale_and_adjust(
+    scaler: ScaleT, scaled_grads: Tree, *, donate: bool = False
+) -> tuple[Tree, torch.Tensor, ScaleT]:
     """`unscale_and_adjust` compiled into one fused kernel by `torch.compile(fullgraph=True)`.
 
     The first call with a new gradient structure (shapes, dtypes, devices) or new scaler
@@ -79,6 +92,8 @@ def fused_unscale_and_adjust(scaler: ScaleT, scaled_grads: Tree) -> tuple[Tree, 
     Args:
         scaler: The loss-scale state the gradients were computed with.
         scaled_grads: A pytree of gradients of the scaled loss.
+        donate: Whether to write the unscaled values into `scaled_grads`' buffers (see
+            `unscale_and_adjust`); the caller must not read `scaled_grads` afterwards.
 
     Returns:
         `(grads, grads_finite, new_scaler)`, as `unscale_and_adjust`.
@@ -87,5 +102,5 @@ def fused_unscale_and_adjust(scaler: ScaleT, scaled_grads: Tree) -> tuple[Tree, 
         TypeError, ValueError: As `unscale_and_adjust`, raised before compiling.
     """
     check_scaler(scaler)
-    result: tuple[Tree, torch.Tensor, ScaleT] = _compiled_unscale_and_adjust()(scaler, scaled_grads)
+    result: tuple[Tree, torch.Tensor, ScaleT] = _compiled_unscale_and_adjust()(scaler, scaled_grads, donate=donate)
     return result

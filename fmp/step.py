@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 from typing import TypeVar
-from typing import cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -21,13 +20,13 @@ from fmp.loss_scale import check_scaler
 from fmp.optim._base import Optimizer
 from fmp.policy import Policy
 from fmp.tree import all_finite
+from fmp.tree import donate_into
 from fmp.tree import select_tree
 from fmp.tree import tree_device
 
 __all__ = ["Gradients", "StepInfo", "TrainState", "mixed_precision_grad", "mixed_precision_step", "train_step"]
 
 Params = TypeVar("Params")
-Tree = TypeVar("Tree")
 LossFn = Callable[..., Any]
 
 
@@ -198,43 +197,6 @@ def mixed_precision_grad(
     return Gradients(grads, all_finite(grads), loss, aux)
 
 
-def _donate(donated: Tree, new: Tree) -> Tree:
-    """Writes `new` into the buffers of `donated` when compiling.
-
-    Under torch.compile the copy is no extra pass: Inductor stores the update straight into the
-    donated buffers, so a step allocates nothing for its state. Eager, the fresh tensors of `new`
-    are returned as they are (a copy would only add work).
-
-    Args:
-        donated: The state handed over by the caller.
-        new: The new state, of the same structure, shapes and dtypes.
-
-    Returns:
-        A tree with `new`'s values: `donated`'s tensors when compiling, else `new` itself.
-
-    Raises:
-        ValueError: If `donated` lists one tensor twice (its leaves are named).
-    """
-    donated_pairs, spec = pytree.tree_flatten_with_path(donated)
-    first_path: dict[int, str] = {}
-    for path, leaf in donated_pairs:
-        if isinstance(leaf, torch.Tensor):
-            where = f"state{pytree.keystr(path)}"
-            if id(leaf) in first_path:
-                raise ValueError(
-                    f"donate=True needs distinct tensors, but {first_path[id(leaf)]} and {where} are one tensor "
-                    f"(tied weights listed twice?): the step would write two updates into one buffer"
-                )
-            first_path[id(leaf)] = where
-    if not torch.compiler.is_compiling():
-        return new
-    written = [
-        old.copy_(value) if isinstance(old, torch.Tensor) else value
-        for (_, old), value in zip(donated_pairs, pytree.tree_leaves(new), strict=True)
-    ]
-    return cast(Tree, pytree.tree_unflatten(written, spec))
-
-
 def train_step(
     loss_fn: LossFn,
     state: TrainState,
@@ -293,7 +255,7 @@ def train_step(
     loss_scale = scaler.loss_scale
     if donate:
         loss_scale = loss_scale.clone()  # the donated scaler's buffer receives the new scale
-        new_state = _donate(state, new_state)
+        new_state = donate_into(state, new_state, "state")
     return new_state, StepInfo(loss, grads_finite, loss_scale, aux)
 
 

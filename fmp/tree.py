@@ -1,4 +1,4 @@
-"""Tree utilities that never read a tensor's value on the host: finiteness, selection, casting."""
+"""Tree utilities that never read a tensor's value on the host: finiteness, selection, casting, donation."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ __all__ = [
     "all_finite",
     "cast_floating",
     "check_finite_flag",
+    "donate_into",
     "is_floating_tensor",
     "is_inexact_tensor",
     "select_tree",
@@ -107,6 +108,44 @@ def all_finite(tree: Any) -> torch.Tensor:
     device = next((x.device for x in leaves if x.device.type != "cpu"), leaves[0].device)
     flags = [_leaf_finite(x).to(device) for x in leaves]
     return flags[0] if len(flags) == 1 else torch.stack(flags).all()
+
+
+def donate_into(donated: Tree, new: Tree, name: str) -> Tree:
+    """Writes `new` into the buffers of `donated` when compiling (buffer donation, as in `jax.jit`).
+
+    Under torch.compile the copy is no extra pass: Inductor stores the result straight into the
+    donated buffers, so nothing new is allocated. Eager, the fresh tensors of `new` are returned as
+    they are (a copy would only add work).
+
+    Args:
+        donated: The tree of tensors the caller hands over.
+        new: Its new values, of the same structure, shapes and dtypes.
+        name: What `donated` is called in error messages.
+
+    Returns:
+        A tree with `new`'s values: `donated`'s tensors when compiling, else `new` itself.
+
+    Raises:
+        ValueError: If `donated` lists one tensor twice (both leaves are named).
+    """
+    donated_pairs, spec = pytree.tree_flatten_with_path(donated)
+    first_path: dict[int, str] = {}
+    for path, leaf in donated_pairs:
+        if isinstance(leaf, torch.Tensor):
+            where = f"{name}{pytree.keystr(path)}"
+            if id(leaf) in first_path:
+                raise ValueError(
+                    f"donate=True needs distinct tensors, but {first_path[id(leaf)]} and {where} are one tensor "
+                    f"(tied weights listed twice?): the step would write two updates into one buffer"
+                )
+            first_path[id(leaf)] = where
+    if not torch.compiler.is_compiling():
+        return new
+    written = [
+        old.copy_(value) if isinstance(old, torch.Tensor) else value
+        for (_, old), value in zip(donated_pairs, pytree.tree_leaves(new), strict=True)
+    ]
+    return cast(Tree, pytree.tree_unflatten(written, spec))
 
 
 def check_finite_flag(grads_finite: Any, name: str = "grads_finite") -> None:

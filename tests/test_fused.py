@@ -61,6 +61,32 @@ def test_an_overflow_that_appears_only_when_unscaling_is_caught() -> None:
     assert not bool(finite) and float(new_scaler.loss_scale) == 0.25
 
 
+@pytest.mark.compiled
+def test_donated_fused_form_unscales_in_place_bit_identically() -> None:
+    torch._dynamo.reset()
+    scaler = fmp.DynamicLossScale.create(init_scale=3.0)
+    grads = sample_grads(torch.float32)
+    pure = fmp.unscale_and_adjust(scaler, grads)
+    donated_grads = [g.clone() for g in grads]
+    buffers = [g.data_ptr() for g in donated_grads]
+    donated = fmp.fused_unscale_and_adjust(scaler, donated_grads, donate=True)
+    assert_trees_bitwise_equal(donated, pure)
+    assert [g.data_ptr() for g in donated[0]] == buffers
+
+
+def test_eager_donation_of_gradients_changes_nothing_and_checks_its_input() -> None:
+    scaler, grads = fmp.DynamicLossScale.create(init_scale=3.0), sample_grads(torch.float16)
+    before = [g.clone() for g in grads]
+    assert_trees_bitwise_equal(
+        fmp.unscale_and_adjust(scaler, grads, donate=True), fmp.unscale_and_adjust(scaler, grads)
+    )
+    assert_trees_bitwise_equal(grads, before)
+    with pytest.raises(ValueError, match=r"scaled_grads\[0\] and scaled_grads\[1\] are one tensor"):
+        fmp.unscale_and_adjust(scaler, [grads[0], grads[0]], donate=True)
+    with pytest.raises(TypeError, match="donate must be a bool"):
+        fmp.unscale_and_adjust(scaler, grads, donate=1)  # type: ignore[arg-type]
+
+
 def test_wrong_scalers_are_named() -> None:
     with pytest.raises(TypeError, match="scaler must be an fmp loss-scale state"):
         fmp.unscale_and_adjust(2.0**16, [torch.ones(3)])  # type: ignore[type-var]
