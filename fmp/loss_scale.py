@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections.abc import Mapping
 from typing import Any
 from typing import TypeVar
 from typing import cast
@@ -30,6 +31,9 @@ Tree = TypeVar("Tree")
 _FLOAT32_TINY = torch.finfo(torch.float32).tiny
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _INT32_MAX = torch.iinfo(torch.int32).max
+# GradScaler.state_dict()'s keys, and the ones fmp adds to them.
+_GRAD_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+_FMP_KEYS = ("overflow_streak", "min_scale", "max_scale", "hysteresis")
 
 
 def _multiply_leaves(tree: Tree, factor: torch.Tensor, *, keep_dtype: bool) -> Tree:
@@ -288,6 +292,84 @@ class DynamicLossScale(_TensorScale):
             loss_scale=new_scale.clamp(self.min_scale, self.max_scale),
             growth_tracker=torch.where(grads_finite & ~grow, tracker, zero),
             overflow_streak=torch.where(grads_finite, zero, streak),
+        )
+
+    def state_dict(self) -> dict[str, float | int]:
+        """The state in `torch.amp.GradScaler.state_dict()`'s format, plus fmp's own fields.
+
+        `GradScaler.load_state_dict` takes it as it is (it reads its five keys and ignores
+        `overflow_streak`, `min_scale`, `max_scale` and `hysteresis`), so a run moves from fmp to
+        torch.amp mid-training and the scale goes on as it would have.
+
+        Note: syncs with the host, to read the scale and the counters; call it when checkpointing.
+
+        Returns:
+            A dict of Python numbers.
+        """
+        return {
+            "scale": float(self.loss_scale),
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "_growth_tracker": int(self.growth_tracker),
+            "overflow_streak": int(self.overflow_streak),
+            "min_scale": self.min_scale,
+            "max_scale": self.max_scale,
+            "hysteresis": self.hysteresis,
+        }
+
+    @classmethod
+    def from_state_dict(
+        cls, state_dict: Mapping[str, Any], *, device: torch.device | str | None = None
+    ) -> DynamicLossScale:
+        """Builds the state from `torch.amp.GradScaler(...).state_dict()` or from `state_dict()`.
+
+        A run moves from torch.amp to fmp mid-training with the scale trajectory GradScaler would
+        have followed. fmp's own fields take their defaults when absent (GradScaler's dicts).
+
+        Note: syncs with the host once, to validate the scale (as `create`).
+
+        Args:
+            state_dict: The saved state.
+            device: Where the state's tensors live; put it on the parameters' device.
+
+        Returns:
+            The state.
+
+        Raises:
+            TypeError, ValueError: Naming the key, if the dict is empty (a disabled GradScaler's),
+                lacks a key, has an unknown one, or holds a value out of range; never a silent reset.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+        if not state_dict:
+            raise ValueError(
+                "the loss-scale state_dict is empty, as a disabled GradScaler (enabled=False) saves it; "
+                "use fmp.NoOpLossScale() for a run without loss scaling"
+            )
+        missing = [key for key in _GRAD_SCALER_KEYS if key not in state_dict]
+        unknown = sorted(set(state_dict) - set(_GRAD_SCALER_KEYS) - set(_FMP_KEYS))
+        if missing or unknown:
+            raise ValueError(
+                f"not a GradScaler or fmp.DynamicLossScale state_dict: missing keys {missing}, unknown keys {unknown}"
+            )
+        scaler = cls.create(
+            init_scale=state_dict["scale"],
+            growth_factor=state_dict["growth_factor"],
+            backoff_factor=state_dict["backoff_factor"],
+            growth_interval=state_dict["growth_interval"],
+            min_scale=state_dict.get("min_scale", _FLOAT32_TINY),
+            max_scale=state_dict.get("max_scale", _FLOAT32_MAX),
+            hysteresis=state_dict.get("hysteresis", 1),
+            device=device,
+        )
+        tracker = check_int("_growth_tracker", state_dict["_growth_tracker"], 0, scaler.growth_interval - 1)
+        streak = check_int("overflow_streak", state_dict.get("overflow_streak", 0), 0, _INT32_MAX)
+        like = scaler.growth_tracker
+        return dataclasses.replace(
+            scaler,
+            growth_tracker=torch.tensor(tracker, dtype=like.dtype, device=like.device),
+            overflow_streak=torch.tensor(streak, dtype=like.dtype, device=like.device),
         )
 
 

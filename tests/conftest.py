@@ -96,3 +96,25 @@ def mlp_batches(
         if overflow_every and i % overflow_every == overflow_every - 1:
             x[0, 0] = float("inf")
         yield x.to(device), y.to(device)
+
+
+def torch_grad_scaler(state: Any) -> tuple[torch.amp.GradScaler, torch.optim.Optimizer]:
+    """A CPU GradScaler with `state`'s scale and hyperparameters, and an optimizer for it to step."""
+    scaler = torch.amp.GradScaler(
+        "cpu",
+        init_scale=float(state.loss_scale),
+        growth_factor=state.growth_factor,
+        backoff_factor=state.backoff_factor,
+        growth_interval=state.growth_interval,
+    )
+    param = torch.nn.Parameter(torch.zeros(3))
+    return scaler, torch.optim.SGD([param], lr=0.0)
+
+
+def grad_scaler_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, finite: bool) -> None:
+    """One GradScaler step whose gradients are finite or not."""
+    (param,) = optimizer.param_groups[0]["params"]
+    scaler.scale(torch.ones(()))
+    param.grad = torch.full((3,), 1.0 if finite else float("inf"))
+    scaler.step(optimizer)
+    scaler.update()

@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 from conftest import bits
+from conftest import grad_scaler_step
+from conftest import torch_grad_scaler
 from hypothesis import assume
 from hypothesis import given
 from hypothesis import strategies as st
@@ -35,27 +37,11 @@ def dynamic_scales(**fixed: object) -> st.SearchStrategy[fmp.DynamicLossScale]:
     return st.builds(fmp.DynamicLossScale.create, **args)
 
 
-def torch_grad_scaler(state: fmp.DynamicLossScale) -> tuple[torch.amp.GradScaler, torch.optim.Optimizer]:
-    scaler = torch.amp.GradScaler(
-        "cpu",
-        init_scale=float(state.loss_scale),
-        growth_factor=state.growth_factor,
-        backoff_factor=state.backoff_factor,
-        growth_interval=state.growth_interval,
-    )
-    param = torch.nn.Parameter(torch.zeros(3))
-    return scaler, torch.optim.SGD([param], lr=0.0)
-
-
 @given(dynamic_scales(), finite_sequences)
 def test_adjust_reproduces_grad_scaler_exactly(state: fmp.DynamicLossScale, steps: list[bool]) -> None:
     reference, optimizer = torch_grad_scaler(state)
-    (param,) = optimizer.param_groups[0]["params"]
     for finite in steps:
-        reference.scale(torch.ones(()))
-        param.grad = torch.full((3,), 1.0 if finite else INF)
-        reference.step(optimizer)
-        reference.update()
+        grad_scaler_step(reference, optimizer, finite)
         state = state.adjust(torch.tensor(finite))
         expected = reference.state_dict()
         if expected["scale"] < TINY:
@@ -67,12 +53,8 @@ def test_adjust_reproduces_grad_scaler_exactly(state: fmp.DynamicLossScale, step
 def test_min_scale_floor_where_grad_scaler_decays_to_zero() -> None:
     reference, optimizer = torch_grad_scaler(fmp.DynamicLossScale.create())
     state = fmp.DynamicLossScale.create()
-    (param,) = optimizer.param_groups[0]["params"]
     for _ in range(200):
-        reference.scale(torch.ones(()))
-        param.grad = torch.full((3,), INF)
-        reference.step(optimizer)
-        reference.update()
+        grad_scaler_step(reference, optimizer, finite=False)
         state = state.adjust(torch.tensor(False))
     assert reference.state_dict()["scale"] == 0.0  # torch's scale is gone: every later loss * 0
     assert float(state.loss_scale) == TINY

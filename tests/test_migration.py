@@ -1,0 +1,86 @@
+"""Moving a run between torch.amp's GradScaler and fmp through state dicts, both ways."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from conftest import assert_trees_bitwise_equal
+from conftest import grad_scaler_step
+from conftest import torch_grad_scaler
+from hypothesis import given
+from hypothesis import strategies as st
+
+import fmp
+
+scalers = st.builds(
+    fmp.DynamicLossScale.create,
+    init_scale=st.integers(-10, 30).map(lambda k: 2.0**k),
+    growth_factor=st.one_of(st.just(2.0), st.floats(1.0001, 8.0)),
+    backoff_factor=st.one_of(st.just(0.5), st.floats(0.01, 0.99)),
+    growth_interval=st.integers(1, 6),
+)
+runs = st.lists(st.booleans(), max_size=40)
+
+
+@given(scalers, runs, runs)
+def test_a_run_moves_from_grad_scaler_to_fmp_on_the_same_trajectory(
+    start: fmp.DynamicLossScale, before: list[bool], after: list[bool]
+) -> None:
+    reference, optimizer = torch_grad_scaler(start)
+    for finite in before:
+        grad_scaler_step(reference, optimizer, finite)
+    state = fmp.DynamicLossScale.from_state_dict(reference.state_dict())
+    for finite in after:
+        grad_scaler_step(reference, optimizer, finite)
+        state = state.adjust(torch.tensor(finite))
+        expected = reference.state_dict()
+        assert float(state.loss_scale) == expected["scale"]
+        assert int(state.growth_tracker) == expected["_growth_tracker"]
+
+
+@given(scalers, runs, runs)
+def test_a_run_moves_from_fmp_to_grad_scaler_on_the_same_trajectory(
+    state: fmp.DynamicLossScale, before: list[bool], after: list[bool]
+) -> None:
+    for finite in before:
+        state = state.adjust(torch.tensor(finite))
+    reference, optimizer = torch_grad_scaler(fmp.DynamicLossScale.create())
+    reference.load_state_dict(state.state_dict())
+    for finite in after:
+        grad_scaler_step(reference, optimizer, finite)
+        state = state.adjust(torch.tensor(finite))
+        assert reference.state_dict()["scale"] == float(state.loss_scale)
+        assert reference.state_dict()["_growth_tracker"] == int(state.growth_tracker)
+
+
+def test_fmp_state_dicts_round_trip_through_torch_save_with_every_field() -> None:
+    state = fmp.DynamicLossScale.create(
+        init_scale=3.0, growth_interval=5, min_scale=0.25, max_scale=2.0**20, hysteresis=3
+    )
+    for finite in [True, True, False, False]:
+        state = state.adjust(torch.tensor(finite))
+    buffer = io.BytesIO()
+    torch.save(state.state_dict(), buffer)
+    buffer.seek(0)
+    restored = fmp.DynamicLossScale.from_state_dict(torch.load(buffer, weights_only=True))
+    assert_trees_bitwise_equal(restored, state)
+    assert int(restored.overflow_streak) == 2 and restored.hysteresis == 3
+
+
+@pytest.mark.parametrize(
+    ("state_dict", "error", "message"),
+    [
+        ({}, ValueError, "empty, as a disabled GradScaler"),
+        ({"scale": 1.0}, ValueError, r"missing keys \['growth_factor'"),
+        ({**torch.amp.GradScaler("cpu").state_dict(), "scael": 2.0}, ValueError, r"unknown keys \['scael'\]"),
+        ({**torch.amp.GradScaler("cpu").state_dict(), "scale": 0.0}, ValueError, "init_scale must be a positive"),
+        ({**torch.amp.GradScaler("cpu").state_dict(), "_growth_tracker": 2000}, ValueError, "_growth_tracker must be"),
+        ({**torch.amp.GradScaler("cpu").state_dict(), "growth_factor": "2"}, TypeError, "growth_factor must be"),
+        ([("scale", 1.0)], TypeError, "state_dict must be a mapping"),
+    ],
+)
+def test_corrupt_or_mismatched_state_dicts_are_named(state_dict: object, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        fmp.DynamicLossScale.from_state_dict(state_dict)  # type: ignore[arg-type]
