@@ -4,6 +4,7 @@ from fmp.optim._base import Optimizer
 from fmp.optim.adam import AdamState
 from fmp.optim.adam import adam
 from fmp.optim.adam import adamw
+from fmp.optim.clip import clip_by_global_norm
 from fmp.optim.sgd import SgdState
 from fmp.optim.sgd import sgd
 
@@ -13,5 +14,6 @@ __all__ = [
     "SgdState",
     "adam",
     "adamw",
+    "clip_by_global_norm",
     "sgd",
 ]
