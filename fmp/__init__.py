@@ -2,6 +2,7 @@
 
 from fmp import optim
 from fmp._struct import OPTREE_NAMESPACE
+from fmp.checkpoint import checkpoint_classes
 from fmp.fused import fused_unscale_and_adjust
 from fmp.fused import unscale_and_adjust
 from fmp.loss_scale import DynamicLossScale
@@ -35,6 +36,7 @@ __all__ = [
     "TrainState",
     "all_finite",
     "cast_floating",
+    "checkpoint_classes",
     "fused_unscale_and_adjust",
     "get_policy",
     "half_dtype",

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import io
+import pickle
 
 import pytest
 import torch
 from conftest import assert_trees_bitwise_equal
 from conftest import grad_scaler_step
+from conftest import mlp_batches
+from conftest import mlp_loss
+from conftest import mlp_params
 from conftest import torch_grad_scaler
 from hypothesis import given
 from hypothesis import strategies as st
@@ -84,3 +88,27 @@ def test_fmp_state_dicts_round_trip_through_torch_save_with_every_field() -> Non
 def test_corrupt_or_mismatched_state_dicts_are_named(state_dict: object, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
         fmp.DynamicLossScale.from_state_dict(state_dict)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "optimizer", [fmp.optim.adamw(1e-2), fmp.optim.sgd(0.1, momentum=0.9), fmp.optim.sgd(0.1)], ids=str
+)
+@pytest.mark.parametrize(
+    "scaler",
+    [fmp.DynamicLossScale.create(init_scale=8.0, hysteresis=2), fmp.StaticLossScale.create(4.0), fmp.NoOpLossScale()],
+    ids=lambda s: type(s).__name__,
+)
+def test_whole_train_states_load_with_weights_only(optimizer: fmp.optim.Optimizer, scaler: fmp.LossScale) -> None:
+    state = fmp.TrainState.create(mlp_params(), optimizer, scaler)
+    for x, y in mlp_batches(3, overflow_every=2):
+        state, _ = fmp.train_step(mlp_loss, state, x, y, policy=fmp.Policy(), optimizer=optimizer)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        torch.load(buffer, weights_only=True)  # torch refuses unknown classes...
+    buffer.seek(0)
+    with torch.serialization.safe_globals(fmp.checkpoint_classes()):  # ...until they are allowed
+        restored = torch.load(buffer, weights_only=True)
+    assert_trees_bitwise_equal(restored, state)
+    assert type(restored.scaler) is type(scaler)
