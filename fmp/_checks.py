@@ -8,7 +8,7 @@ import operator
 from typing import Any
 from typing import cast
 
-__all__ = ["check_int", "check_real"]
+__all__ = ["check_bool", "check_int", "check_real"]
 
 
 def check_real(
@@ -43,3 +43,10 @@ def check_int(name: str, value: Any, low: int, high: int) -> int:
     if not low <= number <= high:
         raise ValueError(f"{name} must be in [{low}, {high}], got {number}")
     return number
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """Returns `value`, or raises a TypeError naming `name` unless it is a bool (a flag, not a truthy value)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value

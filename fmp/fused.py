@@ -19,6 +19,7 @@ from typing import cast
 
 import torch
 
+from fmp._checks import check_bool
 from fmp.loss_scale import LossScale
 from fmp.loss_scale import check_scaler
 from fmp.tree import all_finite
@@ -29,6 +30,17 @@ __all__ = ["fused_unscale_and_adjust", "unscale_and_adjust"]
 
 Tree = TypeVar("Tree")
 ScaleT = TypeVar("ScaleT", bound=LossScale)
+
+
+def _check_arguments(scaler: Any, scaled_grads: Any, donate: Any) -> None:
+    check_scaler(scaler)
+    check_bool("donate", donate)
+    grads_device, scaler_device = tree_device(scaled_grads), tree_device(scaler)
+    if grads_device is not None and scaler_device is not None and grads_device != scaler_device:
+        raise ValueError(
+            f"the scaler is on {scaler_device} but the gradients are on {grads_device}; "
+            f"create it there (e.g. DynamicLossScale.create(device={str(grads_device)!r}))"
+        )
 
 
 def unscale_and_adjust(
@@ -55,15 +67,7 @@ def unscale_and_adjust(
         ValueError: If the scaler's tensors are on another device than the gradients, or (with
             `donate`) a gradient tensor is listed twice.
     """
-    check_scaler(scaler)
-    if not isinstance(donate, bool):
-        raise TypeError(f"donate must be a bool, got {type(donate).__name__}")
-    grads_device, scaler_device = tree_device(scaled_grads), tree_device(scaler)
-    if grads_device is not None and scaler_device is not None and grads_device != scaler_device:
-        raise ValueError(
-            f"the scaler is on {scaler_device} but the gradients are on {grads_device}; "
-            f"create it there (e.g. DynamicLossScale.create(device={str(grads_device)!r}))"
-        )
+    _check_arguments(scaler, scaled_grads, donate)
     grads = scaler.unscale(scaled_grads)
     grads_finite = all_finite(grads)
     if donate:
@@ -81,7 +85,7 @@ def _compiled_unscale_and_adjust() -> Callable[..., Any]:
 def fused_unscale_and_adjust(
     scaler: ScaleT, scaled_grads: Tree, *, donate: bool = False
 ) -> tuple[Tree, torch.Tensor, ScaleT]:
-    """`unscale_and_adjust` compiled into one fused kernel by `torch.compile(fullgraph=True)`.
+    """`unscale_and_adjust` compiled by `torch.compile(fullgraph=True)`: one pass per gradient.
 
     The first call with a new gradient structure (shapes, dtypes, devices) or new scaler
     hyperparameters compiles; later calls with the same ones reuse the graph whatever the scale's
@@ -101,6 +105,6 @@ def fused_unscale_and_adjust(
     Raises:
         TypeError, ValueError: As `unscale_and_adjust`, raised before compiling.
     """
-    check_scaler(scaler)
+    _check_arguments(scaler, scaled_grads, donate)  # here, so errors are not wrapped by Dynamo
     result: tuple[Tree, torch.Tensor, ScaleT] = _compiled_unscale_and_adjust()(scaler, scaled_grads, donate=donate)
     return result

@@ -15,6 +15,7 @@ from typing import TypeVar
 import torch
 import torch.utils._pytree as pytree
 
+from fmp._checks import check_bool
 from fmp.loss_scale import LossScale
 from fmp.loss_scale import check_scaler
 from fmp.optim._base import Optimizer
@@ -240,8 +241,7 @@ def train_step(
         ValueError: If `donate` and the state lists one tensor twice (under torch.compile Dynamo
             reports it as `torch._dynamo.exc.Unsupported` carrying this message).
     """
-    if not isinstance(donate, bool):
-        raise TypeError(f"donate must be a bool, got {type(donate).__name__}")
+    check_bool("donate", donate)
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be an fmp.TrainState (TrainState.create(...)), got {type(state).__name__}")
     _check_optimizer(optimizer)
