@@ -2,9 +2,12 @@
 
 from fmp import optim
 from fmp._struct import OPTREE_NAMESPACE
+from fmp.accumulate import GradientAccumulator
 from fmp.checkpoint import checkpoint_classes
 from fmp.fused import fused_unscale_and_adjust
 from fmp.fused import unscale_and_adjust
+from fmp.grad import Gradients
+from fmp.grad import mixed_precision_grad
 from fmp.loss_scale import DynamicLossScale
 from fmp.loss_scale import LossScale
 from fmp.loss_scale import NoOpLossScale
@@ -12,11 +15,12 @@ from fmp.loss_scale import StaticLossScale
 from fmp.policy import Policy
 from fmp.policy import get_policy
 from fmp.policy import half_dtype
-from fmp.step import Gradients
+from fmp.state import StepCounts
+from fmp.state import TrainState
+from fmp.step import LossScaleStalledError
 from fmp.step import StepInfo
-from fmp.step import TrainState
-from fmp.step import mixed_precision_grad
 from fmp.step import mixed_precision_step
+from fmp.step import raise_if_stalled
 from fmp.step import train_step
 from fmp.tree import all_finite
 from fmp.tree import cast_floating
@@ -27,11 +31,14 @@ __version__ = "0.1.0"
 __all__ = [
     "OPTREE_NAMESPACE",
     "DynamicLossScale",
+    "GradientAccumulator",
     "Gradients",
     "LossScale",
+    "LossScaleStalledError",
     "NoOpLossScale",
     "Policy",
     "StaticLossScale",
+    "StepCounts",
     "StepInfo",
     "TrainState",
     "all_finite",
@@ -43,6 +50,7 @@ __all__ = [
     "mixed_precision_grad",
     "mixed_precision_step",
     "optim",
+    "raise_if_stalled",
     "select_tree",
     "train_step",
     "unscale_and_adjust",

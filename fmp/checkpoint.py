@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from fmp.accumulate import GradientAccumulator
 from fmp.loss_scale import DynamicLossScale
 from fmp.loss_scale import NoOpLossScale
 from fmp.loss_scale import StaticLossScale
 from fmp.optim.adam import AdamState
 from fmp.optim.sgd import SgdState
-from fmp.step import TrainState
+from fmp.state import StepCounts
+from fmp.state import TrainState
 
 __all__ = ["checkpoint_classes"]
 
@@ -24,4 +26,13 @@ def checkpoint_classes() -> list[type]:
     Returns:
         The classes, a fresh list.
     """
-    return [TrainState, NoOpLossScale, StaticLossScale, DynamicLossScale, AdamState, SgdState]
+    return [
+        TrainState,
+        StepCounts,
+        GradientAccumulator,
+        NoOpLossScale,
+        StaticLossScale,
+        DynamicLossScale,
+        AdamState,
+        SgdState,
+    ]

@@ -7,195 +7,85 @@ Everything here is a pure function of its arguments (unless the caller donates t
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 from typing import TypeVar
+from typing import cast
 
 import torch
 import torch.utils._pytree as pytree
 
 from fmp._checks import check_bool
+from fmp._checks import check_int
+from fmp.accumulate import GradientAccumulator
+from fmp.grad import LossFn
+from fmp.grad import ScalerTree
+from fmp.grad import mixed_precision_grad
+from fmp.loss_scale import DynamicLossScale
 from fmp.loss_scale import LossScale
-from fmp.loss_scale import check_scaler
 from fmp.optim._base import Optimizer
 from fmp.policy import Policy
-from fmp.tree import all_finite
+from fmp.state import StepCounts
+from fmp.state import TrainState
+from fmp.state import check_optimizer
 from fmp.tree import donate_into
 from fmp.tree import select_tree
 from fmp.tree import tree_device
 
-__all__ = ["Gradients", "StepInfo", "TrainState", "mixed_precision_grad", "mixed_precision_step", "train_step"]
+__all__ = ["LossScaleStalledError", "StepInfo", "mixed_precision_step", "raise_if_stalled", "train_step"]
 
 Params = TypeVar("Params")
-LossFn = Callable[..., Any]
-
-
-class Gradients(NamedTuple):
-    """What `mixed_precision_grad` returns.
-
-    Attributes:
-        grads: Unscaled gradients in the parameters' structure and dtype.
-        grads_finite: 0-dim bool tensor, True when every gradient is finite after unscaling.
-        loss: The unscaled loss, in the policy's output dtype.
-        aux: The loss function's auxiliary output; `()` (no leaves, so vmap can return it) unless `has_aux`.
-    """
-
-    grads: Any
-    grads_finite: torch.Tensor
-    loss: torch.Tensor
-    aux: Any
 
 
 class StepInfo(NamedTuple):
     """What a training step reports, for logging; all on device.
 
     Attributes:
-        loss: The unscaled loss, in the policy's output dtype.
-        grads_finite: 0-dim bool tensor: True when the update was applied, False when skipped.
-        loss_scale: The scale the step's gradients were computed with.
+        loss: The unscaled loss (of this micro-batch), in the policy's output dtype; a tuple of
+            them for several losses.
+        applied: 0-dim bool tensor: True when this call updated the params. With gradient
+            accumulation only the last micro-batch of a window can apply the update.
+        grads_finite: 0-dim bool tensor: True when this call's gradients were finite (without
+            accumulation, the same as `applied`).
+        loss_scale: The scale this call's gradients were computed with; a tuple of them for a
+            tuple of scalers.
         aux: The loss function's auxiliary output; `()` (no leaves, so vmap can return it) unless `has_aux`.
     """
 
-    loss: torch.Tensor
+    loss: Any
+    applied: torch.Tensor
     grads_finite: torch.Tensor
-    loss_scale: torch.Tensor
+    loss_scale: Any
     aux: Any
 
 
-class TrainState(NamedTuple):
-    """Everything a training step updates: parameters, optimizer state, loss-scale state.
-
-    Attributes:
-        params: The parameters, a pytree of tensors in the policy's param dtype.
-        opt_state: The optimizer's state.
-        scaler: The loss-scale state.
-    """
-
-    params: Any
-    opt_state: Any
-    scaler: LossScale
-
-    @classmethod
-    def create(cls, params: Any, optimizer: Optimizer, scaler: LossScale) -> TrainState:
-        """Builds the state for `params`: initialises the optimizer, puts the scaler on their device.
-
-        Args:
-            params: The parameters, a pytree of tensors.
-            optimizer: A pure optimizer, e.g. `fmp.optim.adamw(...)`.
-            scaler: The loss-scale state; its tensors move to the device of the first parameter, so
-                a compiled step sees one device from the first call on.
-
-        Returns:
-            The state.
-        """
-        _check_optimizer(optimizer)
-        check_scaler(scaler)
-        _check_no_module_parameters(params)
-        device = tree_device(params)
-        if device is not None:
-            scaler = pytree.tree_map(lambda t: t.to(device), scaler)
-        return cls(params, optimizer.init(params), scaler)
+def _is_scaler(node: Any) -> bool:
+    return isinstance(node, LossScale)
 
 
-def _check_optimizer(optimizer: Any) -> None:
-    if not isinstance(optimizer, Optimizer):
-        raise TypeError(
-            f"optimizer must be an fmp.optim.Optimizer (e.g. fmp.optim.adamw()), got {type(optimizer).__name__}"
-        )
+def _at_min_scale(scaler: LossScale) -> torch.Tensor | bool:
+    """Whether backing off can no longer lower the scale: a dynamic scale at `min_scale`, or any fixed one."""
+    if isinstance(scaler, DynamicLossScale):
+        return scaler.loss_scale <= scaler.min_scale
+    return True
 
 
-def _check_no_module_parameters(params: Any) -> None:
-    for path, leaf in pytree.tree_flatten_with_path(params)[0]:
-        if isinstance(leaf, torch.nn.Parameter):
-            raise TypeError(
-                f"params{pytree.keystr(path)} is an nn.Parameter: autograd would chain every step's graph onto "
-                f"the last (a memory leak); pass {{k: v.detach() for k, v in model.named_parameters()}}"
-            )
+def _stalled(scaler: ScalerTree, finite_per_loss: Any) -> torch.Tensor:
+    """Whether a loss overflowed with its scale at the minimum (computed for every call, used on skips)."""
+    scalers = scaler if isinstance(scaler, tuple) else (scaler,)
+    flags = finite_per_loss if isinstance(scaler, tuple) else (finite_per_loss,)
+    stalled = [~finite & _at_min_scale(s) for s, finite in zip(scalers, flags, strict=True)]
+    return stalled[0] if len(stalled) == 1 else torch.stack(stalled).any()
 
 
-def _check_params(params: Any, policy: Policy) -> None:
-    """Every parameter is differentiated, so each must be a floating tensor in the param dtype."""
-    _check_no_module_parameters(params)
-    for path, leaf in pytree.tree_flatten_with_path(params)[0]:
-        where = f"params{pytree.keystr(path)}"
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(f"{where} is a {type(leaf).__name__}; every leaf of params must be a tensor")
-        if not (leaf.is_floating_point() or leaf.is_complex()):
-            raise TypeError(
-                f"{where} is {leaf.dtype}; every leaf of params is differentiated, "
-                f"so pass integer buffers (e.g. num_batches_tracked) through *args instead"
-            )
-        if leaf.is_floating_point() and leaf.dtype != policy.param_dtype:
-            raise TypeError(
-                f"{where} is {leaf.dtype} but the policy stores params in {policy.param_dtype}; "
-                f"cast them with policy.cast_to_param(params) or choose another policy"
-            )
+def _adjust(scaler: ScalerTree, finite_per_loss: Any) -> ScalerTree:
+    if isinstance(scaler, tuple):
+        return tuple(s.adjust(finite) for s, finite in zip(scaler, finite_per_loss, strict=True))
+    return scaler.adjust(finite_per_loss)
 
 
-def _check_loss(loss: Any) -> torch.Tensor:
-    if not isinstance(loss, torch.Tensor):
-        raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
-    if loss.dim() != 0:
-        raise ValueError(
-            f"loss_fn must return a scalar (0-dim) loss, got shape {tuple(loss.shape)}; reduce it, e.g. with .mean()"
-        )
-    if not loss.is_floating_point():
-        raise TypeError(f"loss_fn must return a floating-point loss, got {loss.dtype}")
-    return loss
-
-
-def _check_aux(aux: Any) -> None:
-    for path, leaf in pytree.tree_flatten_with_path(aux)[0]:
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(f"aux{pytree.keystr(path)} is a {type(leaf).__name__}; aux must be a pytree of tensors")
-
-
-def mixed_precision_grad(
-    loss_fn: LossFn, params: Any, scaler: LossScale, *args: Any, policy: Policy, has_aux: bool = False
-) -> Gradients:
-    """Computes unscaled gradients of `loss_fn` under a precision policy and a loss scale.
-
-    Params and floating-point args are cast to the compute dtype, the loss to the output dtype; the
-    loss is scaled and differentiated with `torch.func.grad`. Gradients come back in the param dtype
-    (autograd returns each in its parameter's dtype), are unscaled, and are checked for finiteness
-    after unscaling, so a gradient that overflows only when unscaled is caught too.
-
-    Args:
-        loss_fn: `loss_fn(params, *args) -> loss`, or `-> (loss, aux)` with `has_aux`; loss 0-dim.
-        params: The parameters, a pytree of floating tensors in the policy's param dtype.
-        scaler: The loss-scale state.
-        *args: Further arguments of `loss_fn` (inputs, targets, ...).
-        policy: The precision policy.
-        has_aux: Whether `loss_fn` returns `(loss, aux)`, aux a pytree of tensors.
-
-    Returns:
-        A `Gradients` tuple.
-
-    Raises:
-        TypeError, ValueError: Naming the problem, if `loss_fn` returns anything but a 0-dim floating
-            loss (and a tensor aux), a parameter is not a floating tensor in the param dtype, or
-            `scaler` or `policy` is of the wrong type.
-    """
-    check_scaler(scaler)
-    if not isinstance(policy, Policy):
-        raise TypeError(f"policy must be an fmp.Policy (e.g. fmp.get_policy('c=bf16')), got {type(policy).__name__}")
-    _check_params(params, policy)
-
-    def scaled_loss_fn(params: Any, *args: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, Any]]:
-        out = loss_fn(policy.cast_to_compute(params), *policy.cast_to_compute(args))
-        aux: Any = ()  # no leaves: torch.func.grad's aux must hold tensors only
-        if has_aux:
-            if not (isinstance(out, tuple) and len(out) == 2):
-                raise TypeError(f"with has_aux=True, loss_fn must return (loss, aux), got {type(out).__name__}")
-            out, aux = out
-            _check_aux(aux)
-        loss = policy.cast_to_output(_check_loss(out))
-        return scaler.scale(loss), (loss, aux)
-
-    scaled_grads, (loss, aux) = torch.func.grad(scaled_loss_fn, has_aux=True)(params, *args)
-    grads = scaler.unscale(scaled_grads)
-    return Gradients(grads, all_finite(grads), loss, aux)
+def _loss_scale(scaler: ScalerTree) -> Any:
+    return pytree.tree_map(lambda s: s.loss_scale, scaler, is_leaf=_is_scaler)
 
 
 def train_step(
@@ -211,6 +101,18 @@ def train_step(
 
     On a non-finite step the returned params and optimizer state equal the inputs bit for bit and
     only the scaler moves (it backs off). Without `donate`, inputs are never mutated.
+    `state.counts` counts applied and skipped steps on device, and the optimizer's own step count
+    (hence its learning-rate schedule) advances on applied steps only.
+
+    Several losses: with a tuple of scalers in `state.scaler`, `loss_fn` returns a tuple of as many
+    losses; each loss is scaled, unscaled and checked on its own, its scaler adjusts by its own
+    overflow, and the update (of the summed gradients) is skipped when any loss overflowed.
+
+    Gradient accumulation (`TrainState.create(..., accumulation_steps=k)`): each call takes one
+    micro-batch and adds its unscaled gradients to float32 sums; the k-th call updates with their
+    mean. If any micro-batch of the window was non-finite, that update is skipped whole. The scale
+    stays fixed through a window and adjusts once at its end, backing off once for a bad window.
+    Every call computes the optimizer's update and keeps it only at a window's end (branch-free).
 
     Donation, as `jax.jit`'s `donate_argnums`: with `donate=True` the caller hands over `state`
     and must not read it after the call. Under `torch.compile` the step then writes the new values
@@ -225,16 +127,17 @@ def train_step(
     under `torch.func` transforms (`grad`, `vmap`), which need the inputs intact.
 
     Args:
-        loss_fn: `loss_fn(params, *args) -> loss`, or `-> (loss, aux)` with `has_aux`; loss 0-dim.
-        state: Params, optimizer state and scaler state.
-        *args: Further arguments of `loss_fn`.
+        loss_fn: `loss_fn(params, *args) -> loss`, or `-> (loss, aux)` with `has_aux`; loss 0-dim,
+            or a tuple of 0-dim losses, one per scaler.
+        state: The training state, from `TrainState.create`.
+        *args: Further arguments of `loss_fn` (with accumulation, one micro-batch).
         policy: The precision policy.
         optimizer: A pure optimizer, e.g. `fmp.optim.adamw(...)`.
         has_aux: Whether `loss_fn` returns `(loss, aux)`.
         donate: Whether the step may overwrite the tensors of `state` (see above).
 
     Returns:
-        `(new_state, info)`; `info.grads_finite` says whether the update was applied.
+        `(new_state, info)`; `info.applied` says whether the update was applied.
 
     Raises:
         TypeError: If `state` is not a TrainState, `optimizer` not an Optimizer or `donate` not a bool.
@@ -244,19 +147,33 @@ def train_step(
     check_bool("donate", donate)
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be an fmp.TrainState (TrainState.create(...)), got {type(state).__name__}")
-    _check_optimizer(optimizer)
-    params, opt_state, scaler = state
-    grads, grads_finite, loss, aux = mixed_precision_grad(
+    check_optimizer(optimizer)
+    params, opt_state, scaler = state.params, state.opt_state, state.scaler
+    grads, grads_finite, loss, aux, finite_per_loss = mixed_precision_grad(
         loss_fn, params, scaler, *args, policy=policy, has_aux=has_aux
     )
+    accumulator = state.accumulator
+    if isinstance(accumulator, GradientAccumulator):
+        window = accumulator.add(grads, grads_finite, finite_per_loss)
+        stepped, grads, window_finite, step_per_loss, accumulator = window
+        applied = stepped & window_finite
+        # The scale stays fixed inside a window and adjusts once, by the whole window's flags.
+        new_scaler = select_tree(stepped, _adjust(scaler, step_per_loss), scaler)
+    elif accumulator == ():
+        stepped, applied, step_per_loss = torch.ones_like(grads_finite), grads_finite, finite_per_loss
+        new_scaler = _adjust(scaler, finite_per_loss)
+    else:
+        raise TypeError(f"state.accumulator must be () or a GradientAccumulator, got {type(accumulator).__name__}")
     updated = optimizer.update(grads, opt_state, params)
-    new_params, new_opt_state = select_tree(grads_finite, updated, (params, opt_state))
-    new_state = TrainState(new_params, new_opt_state, scaler.adjust(grads_finite))
-    loss_scale = scaler.loss_scale
+    new_params, new_opt_state = select_tree(applied, updated, (params, opt_state))
+    counts = state.counts.advance(stepped, applied, _stalled(scaler, step_per_loss))
+    new_state = TrainState(new_params, new_opt_state, new_scaler, counts, accumulator)
+    loss_scale = _loss_scale(scaler)
     if donate:
-        loss_scale = loss_scale.clone()  # the donated scaler's buffer receives the new scale
+        # The donated scalers' buffers receive the new scales.
+        loss_scale = pytree.tree_map(torch.clone, loss_scale)
         new_state = donate_into(state, new_state, "state")
-    return new_state, StepInfo(loss, grads_finite, loss_scale, aux)
+    return new_state, StepInfo(loss, applied, grads_finite, loss_scale, aux)
 
 
 def mixed_precision_step(
@@ -290,14 +207,51 @@ def mixed_precision_step(
         TypeError: If `optimizer` is not an fmp Optimizer (and as `train_step`).
         ValueError: If the optimizer keeps state, or (with `donate`) a tensor is listed twice.
     """
-    _check_optimizer(optimizer)
+    check_optimizer(optimizer)
     opt_state = optimizer.init(params)
     if pytree.tree_leaves(opt_state):
         raise ValueError(
             "mixed_precision_step takes a stateless optimizer; this one keeps state "
             "(momentum, moments): use fmp.train_step with fmp.TrainState.create(params, optimizer, scaler)"
         )
-    new_state, _ = train_step(
-        loss_fn, TrainState(params, opt_state, scaler), *args, policy=policy, optimizer=optimizer, donate=donate
+    state = TrainState(params, opt_state, scaler, StepCounts.zeros(tree_device(params)), ())
+    new_state, _ = train_step(loss_fn, state, *args, policy=policy, optimizer=optimizer, donate=donate)
+    return new_state.params, cast(LossScale, new_state.scaler)
+
+
+class LossScaleStalledError(FloatingPointError):
+    """Raised by `raise_if_stalled`: steps keep overflowing at the minimum loss scale."""
+
+
+def raise_if_stalled(state: TrainState, patience: int) -> None:
+    """Fails fast when training has stalled: the last `patience` optimizer steps all overflowed at the minimum scale.
+
+    Opt-in, as DeepSpeed's error at `min_loss_scale`: once the scale cannot back off further,
+    skipped steps mean gradients that are non-finite at any scale (NaN or inf in the data, the
+    labels or the model), and a run that goes on skips every step in silence. Call this where you
+    log; the step itself never raises on values, which would need a host sync.
+
+    Note: syncs with the host, to read `state.counts.stalled`.
+
+    Args:
+        state: The training state (a vmapped ensemble's stacked state too: any member stalls it).
+        patience: How many consecutive stalled steps are tolerated, >= 1.
+
+    Raises:
+        LossScaleStalledError: If `state.counts.stalled >= patience`, with the scale in the message.
+        TypeError, ValueError: If `state` is not a TrainState or `patience` is not a positive int.
+    """
+    if not isinstance(state, TrainState):
+        raise TypeError(f"state must be an fmp.TrainState, got {type(state).__name__}")
+    patience = check_int("patience", patience, 1, torch.iinfo(torch.int64).max)
+    stalled = state.counts.stalled
+    worst = int(stalled.max())
+    if worst < patience:
+        return
+    where = f" (ensemble members {stalled.ge(patience).nonzero().flatten().tolist()})" if stalled.dim() else ""
+    scales = pytree.tree_map(lambda t: t.tolist(), _loss_scale(state.scaler))
+    raise LossScaleStalledError(
+        f"the last {worst} optimizer steps{where} were all skipped: their gradients overflowed with the loss scale "
+        f"at its minimum ({scales}), so backing off cannot help. Look for inf or NaN in the inputs, the labels or "
+        f"the model (a log of 0, a division by 0, an exploding activation), or lower min_scale"
     )
-    return new_state.params, new_state.scaler

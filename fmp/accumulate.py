@@ -1,0 +1,117 @@
+"""Gradient accumulation over micro-batches in float32, with one skip decision and one scale update per step.
+
+The rule for a non-finite micro-batch: its window's optimizer step is skipped whole (params and
+optimizer state kept bit for bit), and the scale backs off once, when the window ends. The scale
+stays fixed inside a window, so every micro-batch's gradients are unscaled by the same factor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+from typing import NamedTuple
+
+import torch
+import torch.utils._pytree as pytree
+
+from fmp._struct import pytree_dataclass
+from fmp._struct import static_field
+from fmp.grad import ScalerTree
+
+__all__ = ["AccumulatedGradients", "GradientAccumulator"]
+
+
+def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for 16-bit gradients, the gradient's own dtype when it is wider (float64, complex)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class AccumulatedGradients(NamedTuple):
+    """What `GradientAccumulator.add` returns for one micro-batch.
+
+    Attributes:
+        window_ends: 0-dim bool tensor: this micro-batch ends the window (an optimizer step is due).
+        grads: The mean gradient of the window so far, in each parameter's dtype.
+        grads_finite: Whether every micro-batch of the window so far had finite gradients.
+        finite_per_loss: The same per loss-scale state, the flags the scalers adjust by.
+        accumulator: The accumulator to carry to the next micro-batch (reset when the window ends).
+    """
+
+    window_ends: torch.Tensor
+    grads: Any
+    grads_finite: torch.Tensor
+    finite_per_loss: Any
+    accumulator: GradientAccumulator
+
+
+@pytree_dataclass
+class GradientAccumulator:
+    """Sums of unscaled gradients over a window of micro-batches, as optax's `MultiSteps`.
+
+    Each micro-batch's gradients are unscaled first and then added in float32 (or wider), so
+    16-bit gradients lose nothing to the sum; the optimizer sees the window's mean. Built by
+    `fmp.TrainState.create(..., accumulation_steps=k)`.
+
+    Attributes:
+        micro_steps: Micro-batches already added in the current window, a 0-dim int32 tensor.
+        grads: The sums, shaped like the parameters.
+        grads_finite: 0-dim bool tensor: every micro-batch of the window so far was finite.
+        finite_per_loss: The same per loss-scale state (a flag, or a tuple of flags).
+        steps: Micro-batches per window (per optimizer step).
+    """
+
+    micro_steps: torch.Tensor
+    grads: Any
+    grads_finite: torch.Tensor
+    finite_per_loss: Any
+    steps: int = static_field()
+
+    @classmethod
+    def create(cls, params: Any, scaler: ScalerTree, steps: int) -> GradientAccumulator:
+        """An empty window for `params` and `scaler` (one flag per loss-scale state).
+
+        Args:
+            params: The parameters, a pytree of tensors.
+            scaler: The loss-scale state or tuple of them.
+            steps: Micro-batches per optimizer step, >= 1.
+
+        Returns:
+            The accumulator, on the parameters' devices.
+        """
+        leaves = pytree.tree_leaves(params)
+        device = leaves[0].device if leaves else None
+        true = torch.ones((), dtype=torch.bool, device=device)
+        per_loss = tuple(true.clone() for _ in scaler) if isinstance(scaler, tuple) else true.clone()
+        return cls(
+            micro_steps=torch.zeros((), dtype=torch.int32, device=device),
+            grads=pytree.tree_map(lambda p: torch.zeros_like(p, dtype=_accumulator_dtype(p.dtype)), params),
+            grads_finite=true,
+            finite_per_loss=per_loss,
+            steps=steps,
+        )
+
+    def add(self, grads: Any, grads_finite: torch.Tensor, finite_per_loss: Any) -> AccumulatedGradients:
+        """Adds one micro-batch's unscaled gradients; branch-free.
+
+        Args:
+            grads: The micro-batch's unscaled gradients, in the parameters' dtypes.
+            grads_finite: Whether they are all finite.
+            finite_per_loss: The same per loss-scale state.
+
+        Returns:
+            The window's mean and flags, and the accumulator for the next micro-batch.
+        """
+        sums = pytree.tree_map(lambda total, g: total + g.to(total.dtype), self.grads, grads)
+        window_finite = self.grads_finite & grads_finite
+        window_per_loss = pytree.tree_map(torch.logical_and, self.finite_per_loss, finite_per_loss)
+        micro_steps = self.micro_steps + 1
+        window_ends = micro_steps >= self.steps
+        mean = pytree.tree_map(lambda total, g: (total / self.steps).to(g.dtype), sums, grads)
+        reset = dataclasses.replace(
+            self,
+            micro_steps=torch.where(window_ends, 0, micro_steps),
+            grads=pytree.tree_map(lambda total: torch.where(window_ends, 0.0, total), sums),
+            grads_finite=window_finite | window_ends,
+            finite_per_loss=pytree.tree_map(lambda flag: flag | window_ends, window_per_loss),
+        )
+        return AccumulatedGradients(window_ends, mean, window_finite, window_per_loss, reset)

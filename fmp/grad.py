@@ -1,0 +1,199 @@
+"""Mixed-precision gradients: cast per policy, scale, differentiate, unscale, check for finiteness.
+
+One loss takes one scaler; several losses (apex's `num_losses`) take a tuple of scalers, one per
+loss, and each loss's gradients are unscaled and checked on their own, so each scaler adjusts by
+its own overflow. Nothing here reads a tensor's value on the host.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
+
+import torch
+import torch.utils._pytree as pytree
+
+from fmp.loss_scale import LossScale
+from fmp.loss_scale import check_scaler
+from fmp.policy import Policy
+from fmp.tree import all_finite
+
+__all__ = ["Gradients", "ScalerTree", "check_no_module_parameters", "check_scalers", "mixed_precision_grad"]
+
+LossFn = Callable[..., Any]
+ScalerTree = LossScale | tuple[LossScale, ...]
+"""One loss-scale state, or a tuple of them, one per loss."""
+
+
+class Gradients(NamedTuple):
+    """What `mixed_precision_grad` returns.
+
+    Attributes:
+        grads: Unscaled gradients in the parameters' structure and dtype (summed over the losses).
+        grads_finite: 0-dim bool tensor, True when every gradient is finite after unscaling.
+        loss: The unscaled loss in the policy's output dtype; a tuple of them for several losses.
+        aux: The loss function's auxiliary output; `()` (no leaves, so vmap can return it) unless `has_aux`.
+        finite_per_loss: The flag each scaler adjusts by: `grads_finite` for one scaler, and for a
+            tuple of scalers a tuple of flags, one per loss, each True when that loss's own
+            unscaled gradients are finite.
+    """
+
+    grads: Any
+    grads_finite: torch.Tensor
+    loss: Any
+    aux: Any
+    finite_per_loss: Any
+
+
+def check_scalers(scaler: Any) -> None:
+    """Raises a TypeError unless `scaler` is a loss-scale state or a non-empty tuple of them."""
+    if isinstance(scaler, tuple):
+        if not scaler:
+            raise TypeError("scaler is an empty tuple; pass one loss-scale state per loss")
+        for index, item in enumerate(scaler):
+            if not isinstance(item, LossScale):
+                raise TypeError(
+                    f"scaler[{index}] must be an fmp loss-scale state (e.g. DynamicLossScale.create()), "
+                    f"got {type(item).__name__}"
+                )
+        return
+    check_scaler(scaler)
+
+
+def check_no_module_parameters(params: Any) -> None:
+    """Raises a TypeError naming the leaf if `params` holds an `nn.Parameter`."""
+    for path, leaf in pytree.tree_flatten_with_path(params)[0]:
+        if isinstance(leaf, torch.nn.Parameter):
+            raise TypeError(
+                f"params{pytree.keystr(path)} is an nn.Parameter: autograd would chain every step's graph onto "
+                f"the last (a memory leak); pass {{k: v.detach() for k, v in model.named_parameters()}}"
+            )
+
+
+def _check_params(params: Any, policy: Policy) -> None:
+    """Every parameter is differentiated, so each must be a floating tensor in the param dtype."""
+    check_no_module_parameters(params)
+    for path, leaf in pytree.tree_flatten_with_path(params)[0]:
+        where = f"params{pytree.keystr(path)}"
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"{where} is a {type(leaf).__name__}; every leaf of params must be a tensor")
+        if not (leaf.is_floating_point() or leaf.is_complex()):
+            raise TypeError(
+                f"{where} is {leaf.dtype}; every leaf of params is differentiated, "
+                f"so pass integer buffers (e.g. num_batches_tracked) through *args instead"
+            )
+        if leaf.is_floating_point() and leaf.dtype != policy.param_dtype:
+            raise TypeError(
+                f"{where} is {leaf.dtype} but the policy stores params in {policy.param_dtype}; "
+                f"cast them with policy.cast_to_param(params) or choose another policy"
+            )
+
+
+def _check_loss(loss: Any, subject: str) -> torch.Tensor:
+    """Checks one loss; `subject` opens the error message ("loss_fn must return")."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"{subject} a scalar tensor, got {type(loss).__name__}")
+    if loss.dim() != 0:
+        raise ValueError(
+            f"{subject} a scalar (0-dim) loss, got shape {tuple(loss.shape)}; reduce it, e.g. with .mean()"
+        )
+    if not loss.is_floating_point():
+        raise TypeError(f"{subject} a floating-point loss, got {loss.dtype}")
+    return loss
+
+
+def _check_losses(out: Any, scaler: ScalerTree) -> Any:
+    """The loss, or the tuple of losses with one per scaler, each checked."""
+    if not isinstance(scaler, tuple):
+        return _check_loss(out, "loss_fn must return")
+    if not (isinstance(out, tuple) and len(out) == len(scaler)):
+        got = f"a tuple of {len(out)}" if isinstance(out, tuple) else f"a {type(out).__name__}"
+        raise TypeError(f"with a tuple of {len(scaler)} scalers, loss_fn must return {len(scaler)} losses, got {got}")
+    return tuple(_check_loss(loss, f"loss_fn's loss[{index}] must be") for index, loss in enumerate(out))
+
+
+def _check_aux(aux: Any) -> None:
+    for path, leaf in pytree.tree_flatten_with_path(aux)[0]:
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"aux{pytree.keystr(path)} is a {type(leaf).__name__}; aux must be a pytree of tensors")
+
+
+def _tree_sum(trees: list[Any]) -> Any:
+    return pytree.tree_map(lambda *xs: functools.reduce(torch.add, xs), *trees)
+
+
+def mixed_precision_grad(
+    loss_fn: LossFn, params: Any, scaler: ScalerTree, *args: Any, policy: Policy, has_aux: bool = False
+) -> Gradients:
+    """Computes unscaled gradients of `loss_fn` under a precision policy and a loss scale.
+
+    Params and floating-point args are cast to the compute dtype, the loss to the output dtype; the
+    loss is scaled and differentiated with `torch.func`. Gradients come back in the param dtype
+    (autograd returns each in its parameter's dtype), are unscaled, and are checked for finiteness
+    after unscaling, so a gradient that overflows only when unscaled is caught too.
+
+    Several losses: with a tuple of scalers, `loss_fn` returns a tuple of as many losses. Each
+    loss is differentiated on its own with its own scale (a forward and backward pass each, so an
+    overflow in one loss cannot reach another's gradients), its gradients are unscaled and checked
+    alone, and the returned gradients are their sum (the gradient of the summed loss).
+
+    Args:
+        loss_fn: `loss_fn(params, *args) -> loss`, or `-> (loss, aux)` with `has_aux`; loss 0-dim,
+            or a tuple of 0-dim losses with a tuple of scalers.
+        params: The parameters, a pytree of floating tensors in the policy's param dtype.
+        scaler: The loss-scale state, or a tuple of them, one per loss.
+        *args: Further arguments of `loss_fn` (inputs, targets, ...).
+        policy: The precision policy.
+        has_aux: Whether `loss_fn` returns `(loss, aux)`, aux a pytree of tensors.
+
+    Returns:
+        A `Gradients` tuple.
+
+    Raises:
+        TypeError, ValueError: Naming the problem, if `loss_fn` returns anything but 0-dim floating
+            losses (one per scaler) and a tensor aux, a parameter is not a floating tensor in the
+            param dtype, or `scaler` or `policy` is of the wrong type.
+    """
+    check_scalers(scaler)
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be an fmp.Policy (e.g. fmp.get_policy('c=bf16')), got {type(policy).__name__}")
+    _check_params(params, policy)
+    scalers = scaler if isinstance(scaler, tuple) else (scaler,)
+
+    def scaled_losses_fn(params: Any) -> tuple[tuple[torch.Tensor, ...], tuple[Any, Any]]:
+        out = loss_fn(policy.cast_to_compute(params), *policy.cast_to_compute(args))
+        aux: Any = ()  # no leaves: torch.func's aux must hold tensors only
+        if has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError(f"with has_aux=True, loss_fn must return (loss, aux), got {type(out).__name__}")
+            out, aux = out
+            _check_aux(aux)
+        loss = pytree.tree_map(policy.cast_to_output, _check_losses(out, scaler))
+        losses = loss if isinstance(scaler, tuple) else (loss,)
+        return tuple(s.scale(x) for s, x in zip(scalers, losses, strict=True)), (loss, aux)
+
+    def grad_of_loss(index: int) -> tuple[Any, tuple[Any, Any]]:
+        def scaled_loss_fn(params: Any) -> tuple[torch.Tensor, tuple[Any, Any]]:
+            scaled, loss_and_aux = scaled_losses_fn(params)
+            return scaled[index], loss_and_aux
+
+        return torch.func.grad(scaled_loss_fn, has_aux=True)(params)  # type: ignore[no-any-return]
+
+    if not isinstance(scaler, tuple):
+        scaled_grads, (loss, aux) = grad_of_loss(0)
+        grads = scaler.unscale(scaled_grads)
+        grads_finite = all_finite(grads)
+        return Gradients(grads, grads_finite, loss, aux, grads_finite)
+    # One forward and backward pass per loss. A shared forward with one vjp per loss would send a
+    # zero cotangent through the other losses' backward, where a non-finite local derivative
+    # (0 * inf = NaN) would poison this loss's gradients and back its scale off for another's overflow.
+    per_loss = []
+    for index, s in enumerate(scalers):
+        scaled_grads, (loss, aux) = grad_of_loss(index)
+        per_loss.append(s.unscale(scaled_grads))
+    grads = _tree_sum(per_loss)
+    finite_per_loss = tuple(all_finite(g) for g in per_loss)
+    # The sum is non-finite whenever a part is, and also when finite parts overflow on adding.
+    return Gradients(grads, all_finite(grads), loss, aux, finite_per_loss)

@@ -1,0 +1,126 @@
+"""The training state: parameters, optimizer state, loss scale, step counts, gradient accumulator."""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import NamedTuple
+
+import torch
+import torch.utils._pytree as pytree
+
+from fmp._checks import check_int
+from fmp.accumulate import GradientAccumulator
+from fmp.grad import ScalerTree
+from fmp.grad import check_no_module_parameters
+from fmp.grad import check_scalers
+from fmp.optim._base import Optimizer
+from fmp.tree import tree_device
+
+__all__ = ["StepCounts", "TrainState", "check_optimizer"]
+
+
+class StepCounts(NamedTuple):
+    """Optimizer steps applied and skipped, counted on device (no host sync), as 0-dim int64 tensors.
+
+    A step here is an optimizer step: with gradient accumulation, one per `accumulation_steps`
+    micro-batches.
+
+    Attributes:
+        applied: Steps whose update was applied.
+        skipped: Steps skipped because their gradients were not finite.
+        overflow_streak: Consecutive skipped steps up to now (0 after an applied step).
+        stalled: Consecutive skipped steps whose overflowing loss had its scale at the minimum
+            (`min_scale` of a `DynamicLossScale`; a static scale is always at its minimum), so
+            backing off can no longer help; `raise_if_stalled` reads it.
+    """
+
+    applied: torch.Tensor
+    skipped: torch.Tensor
+    overflow_streak: torch.Tensor
+    stalled: torch.Tensor
+
+    @classmethod
+    def zeros(cls, device: torch.device | None = None) -> StepCounts:
+        """All counts at zero, on `device` (CPU by default)."""
+        zero = torch.zeros((), dtype=torch.int64, device=device)
+        return cls(zero, zero.clone(), zero.clone(), zero.clone())
+
+    def advance(self, stepped: torch.Tensor, applied: torch.Tensor, stalled: torch.Tensor) -> StepCounts:
+        """The counts after one call of the step; branch-free.
+
+        Args:
+            stepped: Whether this call ended an optimizer step, a 0-dim bool tensor.
+            applied: Whether the update was applied (implies `stepped`).
+            stalled: Whether the step was skipped with an overflowing loss's scale at its minimum.
+
+        Returns:
+            The new counts.
+        """
+        skipped = stepped & ~applied
+        stalled = skipped & stalled
+        streak = torch.where(skipped, self.overflow_streak + 1, torch.where(applied, 0, self.overflow_streak))
+        return StepCounts(
+            applied=self.applied + applied.long(),
+            skipped=self.skipped + skipped.long(),
+            overflow_streak=streak,
+            stalled=torch.where(stalled, self.stalled + 1, torch.where(stepped, 0, self.stalled)),
+        )
+
+
+class TrainState(NamedTuple):
+    """Everything a training step updates.
+
+    Attributes:
+        params: The parameters, a pytree of tensors in the policy's param dtype.
+        opt_state: The optimizer's state.
+        scaler: The loss-scale state, or a tuple of them, one per loss.
+        counts: Applied and skipped optimizer steps (`StepCounts`).
+        accumulator: The gradient accumulator; `()` (no leaves, unlike None, which torch's pytree
+            counts as a leaf) when every call is an optimizer step.
+    """
+
+    params: Any
+    opt_state: Any
+    scaler: ScalerTree
+    counts: StepCounts
+    accumulator: GradientAccumulator | tuple[()]
+
+    @classmethod
+    def create(
+        cls, params: Any, optimizer: Optimizer, scaler: ScalerTree, *, accumulation_steps: int = 1
+    ) -> TrainState:
+        """Builds the state for `params`: initialises the optimizer, puts everything on their device.
+
+        Args:
+            params: The parameters, a pytree of tensors.
+            optimizer: A pure optimizer, e.g. `fmp.optim.adamw(...)`.
+            scaler: The loss-scale state, or a tuple of them for a loss function that returns as
+                many losses; its tensors move to the device of the first parameter, so a compiled
+                step sees one device from the first call on.
+            accumulation_steps: Micro-batches per optimizer step: with more than 1, each call of
+                the step adds its gradients to float32 accumulators, and every
+                `accumulation_steps`-th call updates with their mean (see `GradientAccumulator`).
+
+        Returns:
+            The state.
+
+        Raises:
+            TypeError, ValueError: If an argument has the wrong type or `accumulation_steps` < 1.
+        """
+        check_optimizer(optimizer)
+        check_scalers(scaler)
+        check_no_module_parameters(params)
+        steps = check_int("accumulation_steps", accumulation_steps, 1, torch.iinfo(torch.int32).max)
+        device = tree_device(params)
+        if device is not None:
+            scaler = pytree.tree_map(lambda t: t.to(device), scaler)
+        accumulator = GradientAccumulator.create(params, scaler, steps) if steps > 1 else ()
+        return cls(params, optimizer.init(params), scaler, StepCounts.zeros(device), accumulator)
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """Raises a TypeError naming the type unless `optimizer` is an `fmp.optim.Optimizer`."""
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"optimizer must be an fmp.optim.Optimizer (e.g. fmp.optim.adamw()), got {type(optimizer).__name__}"
+        )

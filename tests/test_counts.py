@@ -1,0 +1,96 @@
+"""Skip accounting on device, and the opt-in fail-fast when steps overflow at the minimum scale."""
+
+from __future__ import annotations
+
+import functools
+
+import hypothesis
+import hypothesis.strategies as st
+import pytest
+import torch
+from conftest import mlp_batches
+from conftest import mlp_loss
+from conftest import mlp_params
+
+import fmp
+
+F32 = fmp.Policy()
+ADAM = fmp.optim.adam(1e-3)
+
+
+def run(state: fmp.TrainState, finite: list[bool]) -> fmp.TrainState:
+    x, y = torch.ones(2, 8), torch.ones(2, 1)
+    for ok in finite:
+        state, _ = fmp.train_step(mlp_loss, state, x if ok else x * float("nan"), y, policy=F32, optimizer=ADAM)
+    return state
+
+
+@hypothesis.given(st.lists(st.booleans(), max_size=20), st.integers(1, 3))
+def test_counts_follow_a_reference_model(finite: list[bool], hysteresis: int) -> None:
+    scaler = fmp.DynamicLossScale.create(init_scale=2.0**3, min_scale=1.0, hysteresis=hysteresis)
+    state = run(fmp.TrainState.create(mlp_params(), ADAM, scaler), finite)
+    applied = skipped = streak = stalled = 0
+    scale = 2.0**3
+    for ok in finite:
+        if ok:
+            applied, streak, stalled = applied + 1, 0, 0
+            continue
+        skipped, streak = skipped + 1, streak + 1
+        stalled = stalled + 1 if scale == 1.0 else 0  # the scale this step ran with was the minimum
+        if streak >= hysteresis:
+            scale = max(scale / 2, 1.0)
+    counts = state.counts
+    assert [int(counts.applied), int(counts.skipped), int(counts.overflow_streak), int(counts.stalled)] == [
+        applied,
+        skipped,
+        streak,
+        stalled,
+    ]
+    assert int(state.opt_state.step) == applied  # the optimizer (and its schedule) counts applied steps only
+    assert {t.dtype for t in counts} == {torch.int64} and {t.shape for t in counts} == {torch.Size([])}
+
+
+def test_a_static_scale_is_always_at_its_minimum() -> None:
+    state = run(
+        fmp.TrainState.create(mlp_params(), ADAM, fmp.StaticLossScale.create(128.0)), [False, False, True, False]
+    )
+    assert int(state.counts.stalled) == 1 and int(state.counts.skipped) == 3
+
+
+def test_raise_if_stalled_fails_fast_only_past_patience() -> None:
+    scaler = fmp.DynamicLossScale.create(init_scale=4.0, min_scale=1.0)
+    state = run(fmp.TrainState.create(mlp_params(), ADAM, scaler), [False] * 4)
+    # Scales 4, 2, 1, 1: the last two steps overflowed at the minimum.
+    assert int(state.counts.stalled) == 2
+    fmp.raise_if_stalled(state, patience=3)
+    with pytest.raises(fmp.LossScaleStalledError, match=r"the last 2 optimizer steps were all skipped.*\(1\.0\)"):
+        fmp.raise_if_stalled(state, patience=2)
+    recovered = run(state, [True])
+    assert int(recovered.counts.stalled) == 0
+    fmp.raise_if_stalled(recovered, patience=1)
+
+
+def test_raise_if_stalled_names_the_ensemble_members() -> None:
+    members = [
+        fmp.TrainState.create(mlp_params(seed=s), ADAM, fmp.DynamicLossScale.create(init_scale=1.0, min_scale=1.0))
+        for s in range(3)
+    ]
+    state = torch.utils._pytree.tree_map(lambda *xs: torch.stack(xs), *members)
+    step = torch.func.vmap(functools.partial(fmp.train_step, mlp_loss, policy=F32, optimizer=ADAM))
+    x, y = next(mlp_batches(1, 0))
+    xs = torch.stack([x, x * float("inf"), x])
+    for _ in range(2):
+        state, _ = step(state, xs, torch.stack([y] * 3))
+    assert state.counts.stalled.tolist() == [0, 2, 0]
+    with pytest.raises(fmp.LossScaleStalledError, match=r"\(ensemble members \[1\]\)"):
+        fmp.raise_if_stalled(state, patience=2)
+
+
+def test_raise_if_stalled_checks_its_arguments() -> None:
+    state = fmp.TrainState.create(mlp_params(), ADAM, fmp.NoOpLossScale())
+    with pytest.raises(ValueError, match=r"patience must be in \[1, "):
+        fmp.raise_if_stalled(state, patience=0)
+    with pytest.raises(TypeError, match="patience must be an int, got float"):
+        fmp.raise_if_stalled(state, patience=2.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"state must be an fmp\.TrainState, got dict"):
+        fmp.raise_if_stalled({}, patience=2)  # type: ignore[arg-type]
