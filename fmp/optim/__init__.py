@@ -1,9 +1,12 @@
 """Pure optimizers: `init(params) -> state` and `update(grads, state, params) -> (params, state)`."""
 
+from fmp.optim import schedule
 from fmp.optim._base import Optimizer
+from fmp.optim._base import Schedule
 from fmp.optim.adam import AdamState
 from fmp.optim.adam import adam
 from fmp.optim.adam import adamw
+from fmp.optim.adapter import from_gradient_transformation
 from fmp.optim.clip import clip_by_global_norm
 from fmp.optim.sgd import SgdState
 from fmp.optim.sgd import sgd
@@ -11,9 +14,12 @@ from fmp.optim.sgd import sgd
 __all__ = [
     "AdamState",
     "Optimizer",
+    "Schedule",
     "SgdState",
     "adam",
     "adamw",
     "clip_by_global_norm",
+    "from_gradient_transformation",
+    "schedule",
     "sgd",
 ]

@@ -1,17 +1,37 @@
-"""The optimizer interface: a pair of pure functions, `init` and `update`."""
+"""The optimizer interface: a pair of pure functions, `init` and `update`, and learning-rate schedules."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
+from typing import TypeAlias
 
 import torch
 import torch.utils._pytree as pytree
 
+from fmp._checks import check_real
 from fmp.tree import tree_device
 
-__all__ = ["Optimizer", "check_state", "step_counter", "tree_zeros_like"]
+__all__ = [
+    "LearningRate",
+    "Optimizer",
+    "Schedule",
+    "check_lr",
+    "check_schedule_value",
+    "check_state",
+    "scheduled_lr",
+    "step_counter",
+    "tree_zeros_like",
+]
+
+Schedule: TypeAlias = Callable[[torch.Tensor], torch.Tensor]
+"""`lr(count) -> 0-dim floating tensor`, `count` the 0-dim int32 tensor of applied steps so far."""
+
+LearningRate: TypeAlias = float | Schedule
+"""What the optimizers' `lr` takes: a fixed float or a `Schedule`."""
 
 
 class Optimizer(NamedTuple):
@@ -33,6 +53,44 @@ def check_state(name: str, state: Any, expected: type) -> None:
             f"{name} got optimizer state of type {type(state).__name__}, expected {expected.__name__}: "
             f"was it created by another optimizer's init?"
         )
+
+
+def check_lr(lr: Any) -> LearningRate:
+    """Returns `lr` as a float in [0, inf), or as is if it is a schedule (any callable).
+
+    Raises:
+        TypeError: If `lr` is neither a real number nor callable.
+        ValueError: If `lr` is a negative or NaN number.
+    """
+    if callable(lr):
+        return lr  # type: ignore[no-any-return]
+    if isinstance(lr, bool) or not isinstance(lr, numbers.Real):
+        raise TypeError(
+            f"lr must be a real number or a schedule, a callable lr(count) -> 0-dim floating tensor "
+            f"(see fmp.optim.schedule), got {type(lr).__name__}"
+        )
+    return check_real("lr", lr, 0.0, math.inf)
+
+
+def check_schedule_value(value: Any, name: str = "the lr schedule") -> torch.Tensor:
+    """Returns `value` if it is a 0-dim floating tensor, else raises naming `name` (a static check)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"{name} must return a 0-dim floating tensor computed from count with torch ops, "
+            f"got {type(value).__name__} (a Python number would be fixed at trace time)"
+        )
+    if value.dim() != 0 or not value.is_floating_point():
+        raise ValueError(
+            f"{name} must return a 0-dim floating tensor, got dtype={value.dtype} shape={tuple(value.shape)}"
+        )
+    return value
+
+
+def scheduled_lr(lr: LearningRate, count: torch.Tensor) -> float | torch.Tensor:
+    """`lr` itself when it is a float, else the schedule's value at `count` (checked, on device)."""
+    if isinstance(lr, float):
+        return lr
+    return check_schedule_value(lr(count))
 
 
 def step_counter(params: Any) -> torch.Tensor:

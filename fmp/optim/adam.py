@@ -10,8 +10,11 @@ import torch
 import torch.utils._pytree as pytree
 
 from fmp._checks import check_real
+from fmp.optim._base import LearningRate
 from fmp.optim._base import Optimizer
+from fmp.optim._base import check_lr
 from fmp.optim._base import check_state
+from fmp.optim._base import scheduled_lr
 from fmp.optim._base import step_counter
 from fmp.optim._base import tree_zeros_like
 
@@ -32,9 +35,11 @@ class AdamState(NamedTuple):
     exp_avg_sq: Any
 
 
-def _adam(lr: float, betas: tuple[float, float], eps: float, weight_decay: float, *, decoupled: bool) -> Optimizer:
+def _adam(
+    lr: LearningRate, betas: tuple[float, float], eps: float, weight_decay: float, *, decoupled: bool
+) -> Optimizer:
     name = "adamw" if decoupled else "adam"
-    lr = check_real("lr", lr, 0.0, math.inf)
+    lr = check_lr(lr)
     if not isinstance(betas, tuple | list) or len(betas) != 2:
         raise TypeError(f"betas must be a pair of floats, got {betas!r}")
     beta1 = check_real("betas[0]", betas[0], 0.0, 1.0)
@@ -47,13 +52,23 @@ def _adam(lr: float, betas: tuple[float, float], eps: float, weight_decay: float
 
     def update(grads: Any, state: AdamState, params: Any) -> tuple[Any, AdamState]:
         check_state(name, state, AdamState)
+        # A schedule sees the applied steps before this one; a float lr passes through as is. A
+        # scheduled lr is taken in double precision, as torch takes a Python float lr.
+        lr_now = scheduled_lr(lr, state.step)
+        lr_now = lr_now.double() if isinstance(lr_now, torch.Tensor) else lr_now
         step = state.step + 1
         # torch forms the bias corrections in double precision; so does this, on device.
         bias_correction1 = 1.0 - torch.pow(beta1, step.double())
         bias_correction2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, step.double()))
         # One stacked tensor: Inductor computes it once, where two 0-dim results would be inlined
         # into the update and their pows recomputed for every vector of every parameter (3x slower on CPU).
-        step_scalars = torch.stack([lr / bias_correction1, bias_correction2_sqrt])
+        scalars = [lr_now / bias_correction1, bias_correction2_sqrt]
+        scheduled_decay = False
+        if decoupled and weight_decay and isinstance(lr_now, torch.Tensor):
+            # torch forms 1 - lr * weight_decay in double precision too, then multiplies in opmath.
+            scheduled_decay = True
+            scalars.append(1.0 - lr_now * weight_decay)
+        step_scalars = torch.stack(scalars)
         if not decoupled and weight_decay:
             grads = pytree.tree_map(lambda g, p: torch.add(g, p, alpha=weight_decay), grads, params)
         exp_avg = pytree.tree_map(lambda m, g: torch.lerp(m, g, 1.0 - beta1), state.exp_avg, grads)
@@ -62,13 +77,15 @@ def _adam(lr: float, betas: tuple[float, float], eps: float, weight_decay: float
         )
 
         def new_param(param: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            if decoupled and weight_decay:
-                param = param * (1.0 - lr * weight_decay)
+            opmath = torch.promote_types(param.dtype, torch.float32)
+            scalars = step_scalars.to(opmath)
+            if scheduled_decay:
+                param = (param.to(opmath) * scalars[2]).to(param.dtype)
+            elif decoupled and weight_decay:
+                param = param * (1.0 - lr_now * weight_decay)
             # torch divides by a Python float, which its kernels read in at least float32 (opmath); its
             # addcdiv(param, m, denom, value=-step_size) forms param + (-step_size * m) / denom in
             # opmath too and rounds once to the param dtype.
-            opmath = torch.promote_types(param.dtype, torch.float32)
-            scalars = step_scalars.to(opmath)
             denom = torch.sqrt(v) / scalars[1] + eps
             update = scalars[0] * m.to(opmath) / denom.to(opmath)
             return (param.to(opmath) - update).to(param.dtype)
@@ -80,34 +97,46 @@ def _adam(lr: float, betas: tuple[float, float], eps: float, weight_decay: float
 
 
 def adam(
-    lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0
+    lr: LearningRate = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0
 ) -> Optimizer:
     """Adam with L2 weight decay folded into the gradient, as `torch.optim.Adam`.
 
     Args:
-        lr: Learning rate, >= 0.
+        lr: Learning rate, a float >= 0, or a schedule `lr(count) -> 0-dim floating tensor` (see
+            `fmp.optim.schedule`), `count` being the applied steps before this one (skipped
+            mixed-precision steps do not count).
         betas: Decay rates of the first and second moment estimates, each in [0, 1).
         eps: Added to the denominator, >= 0.
         weight_decay: L2 penalty, >= 0.
 
     Returns:
         The optimizer; its state is an `AdamState`.
+
+    Raises:
+        TypeError, ValueError: Naming the argument, if one is of the wrong type or out of range; a
+            schedule's value must be a 0-dim floating tensor (checked when `update` runs).
     """
     return _adam(lr, betas, eps, weight_decay, decoupled=False)
 
 
 def adamw(
-    lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2
+    lr: LearningRate = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2
 ) -> Optimizer:
     """AdamW (decoupled weight decay), as `torch.optim.AdamW`.
 
     Args:
-        lr: Learning rate, >= 0.
+        lr: Learning rate, a float >= 0, or a schedule `lr(count) -> 0-dim floating tensor` (see
+            `fmp.optim.schedule`), `count` being the applied steps before this one (skipped
+            mixed-precision steps do not count).
         betas: Decay rates of the first and second moment estimates, each in [0, 1).
         eps: Added to the denominator, >= 0.
         weight_decay: Decoupled weight decay, >= 0.
 
     Returns:
         The optimizer; its state is an `AdamState`.
+
+    Raises:
+        TypeError, ValueError: Naming the argument, if one is of the wrong type or out of range; a
+            schedule's value must be a 0-dim floating tensor (checked when `update` runs).
     """
     return _adam(lr, betas, eps, weight_decay, decoupled=True)

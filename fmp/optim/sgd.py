@@ -10,8 +10,11 @@ import torch
 import torch.utils._pytree as pytree
 
 from fmp._checks import check_real
+from fmp.optim._base import LearningRate
 from fmp.optim._base import Optimizer
+from fmp.optim._base import check_lr
 from fmp.optim._base import check_state
+from fmp.optim._base import scheduled_lr
 from fmp.optim._base import step_counter
 from fmp.optim._base import tree_zeros_like
 
@@ -19,19 +22,31 @@ __all__ = ["SgdState", "sgd"]
 
 
 class SgdState(NamedTuple):
-    """State of SGD with momentum.
+    """State of SGD with momentum, or with a learning-rate schedule.
 
     Attributes:
-        step: Applied steps so far, a 0-dim int32 tensor.
-        momentum: The momentum buffers, shaped like the parameters.
+        step: Applied steps so far, a 0-dim int32 tensor (a schedule's `count`).
+        momentum: The momentum buffers, shaped like the parameters; `()` without momentum.
     """
 
     step: torch.Tensor
     momentum: Any
 
 
+def _descend(param: torch.Tensor, step: torch.Tensor, lr: float | torch.Tensor) -> torch.Tensor:
+    """`param - lr * step`, rounded as torch.optim.SGD rounds it."""
+    if isinstance(lr, float):
+        return torch.add(param, step, alpha=-lr)
+    # torch.optim's own form for a tensor lr; on CPU it rounds as add(alpha=-lr) does (one rounding
+    # of the multiply-add), so float32 and float64 results are bit-identical to a float lr of that value.
+    # 16-bit params are updated in float32 (opmath) with a float32 lr, where torch's CPU kernel rounds
+    # a float lr to the param dtype: those results may differ from torch's by an ulp.
+    opmath = torch.promote_types(param.dtype, torch.float32)
+    return torch.addcmul(param.to(opmath), step.to(opmath), lr.to(opmath), value=-1.0).to(param.dtype)
+
+
 def sgd(
-    lr: float,
+    lr: LearningRate,
     momentum: float = 0.0,
     *,
     dampening: float = 0.0,
@@ -41,11 +56,15 @@ def sgd(
     """SGD with optional momentum, Nesterov momentum and L2 weight decay, as `torch.optim.SGD`.
 
     The arithmetic is torch's, op for op, so float32 results are bit-identical to torch.optim.SGD.
-    Without momentum the optimizer is stateless (its state is `()`), so it works with
-    `fmp.mixed_precision_step`; with momentum the state is an `SgdState`.
+    With a float `lr` and no momentum the optimizer is stateless (its state is `()`), so it works
+    with `fmp.mixed_precision_step`. With momentum, or with a schedule, the state is an `SgdState`
+    counting the applied steps (its `momentum` is `()` without momentum); such an optimizer needs
+    `fmp.train_step`.
 
     Args:
-        lr: Learning rate, >= 0.
+        lr: Learning rate, a float >= 0, or a schedule `lr(count) -> 0-dim floating tensor` (see
+            `fmp.optim.schedule`), `count` being the 0-dim int32 tensor of applied steps before
+            this one. Skipped mixed-precision steps keep the state, so they do not advance it.
         momentum: Momentum factor in [0, 1].
         dampening: Dampening of momentum in [0, 1].
         nesterov: Use Nesterov momentum (needs momentum > 0 and dampening 0, as torch).
@@ -53,8 +72,13 @@ def sgd(
 
     Returns:
         The optimizer.
+
+    Raises:
+        TypeError, ValueError: Naming the argument, if one is of the wrong type or out of range.
+            A schedule's value is checked when `update` runs (at trace time under torch.compile):
+            it must be a 0-dim floating tensor.
     """
-    lr = check_real("lr", lr, 0.0, math.inf)
+    lr = check_lr(lr)
     momentum = check_real("momentum", momentum, 0.0, 1.0, high_inclusive=True)
     dampening = check_real("dampening", dampening, 0.0, 1.0, high_inclusive=True)
     weight_decay = check_real("weight_decay", weight_decay, 0.0, math.inf)
@@ -64,7 +88,8 @@ def sgd(
     def direction(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         return torch.add(grad, param, alpha=weight_decay) if weight_decay else grad
 
-    if momentum == 0.0:
+    if momentum == 0.0 and isinstance(lr, float):
+        fixed_lr = lr
 
         def init_stateless(params: Any) -> tuple[()]:
             del params
@@ -76,16 +101,24 @@ def sgd(
                     f"sgd without momentum keeps no state, got {type(state).__name__}: "
                     f"was it created by another optimizer's init?"
                 )
-            new_params = pytree.tree_map(lambda g, p: torch.add(p, direction(g, p), alpha=-lr), grads, params)
+            new_params = pytree.tree_map(lambda g, p: torch.add(p, direction(g, p), alpha=-fixed_lr), grads, params)
             return new_params, state
 
         return Optimizer(init_stateless, update_stateless)
 
+    name = "sgd with momentum" if momentum else "sgd with an lr schedule"
+
     def init(params: Any) -> SgdState:
-        return SgdState(step_counter(params), tree_zeros_like(params))
+        return SgdState(step_counter(params), tree_zeros_like(params) if momentum else ())
 
     def update(grads: Any, state: SgdState, params: Any) -> tuple[Any, SgdState]:
-        check_state("sgd with momentum", state, SgdState)
+        check_state(name, state, SgdState)
+        lr_now = scheduled_lr(lr, state.step)
+        if not momentum:
+            if pytree.tree_leaves(state.momentum):
+                raise TypeError(f"{name} keeps no momentum buffers: was its state created by another optimizer's init?")
+            new_params = pytree.tree_map(lambda g, p: _descend(p, direction(g, p), lr_now), grads, params)
+            return new_params, SgdState(state.step + 1, state.momentum)
         # torch seeds the buffer with the first step's direction, undamped.
         first_step = state.step == 0
 
@@ -97,7 +130,7 @@ def sgd(
 
         def new_param(grad: torch.Tensor, param: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
             step = torch.add(direction(grad, param), buf, alpha=momentum) if nesterov else buf
-            return torch.add(param, step, alpha=-lr)
+            return _descend(param, step, lr_now)
 
         return pytree.tree_map(new_param, grads, params, buffers), SgdState(state.step + 1, buffers)
 
