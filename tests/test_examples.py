@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -53,3 +54,37 @@ def test_readme_fast_path_runs_after_the_quickstart() -> None:
     result = subprocess.run([*PYTHON, "-c", script], capture_output=True, text=True, check=True, timeout=300)
     steps, scale = result.stdout.split()[-2:]
     assert int(steps) == 11 and float(scale) == 2.0**16
+
+
+def run_transformer_lm(plot: Path, env: dict[str, str] | None = None) -> str:
+    args = ["--steps", "6", "--accumulate", "2", "--poison-step", "3", "--growth-interval", "2", "--layers", "1"]
+    args += ["--width", "32", "--length", "16", "--batch", "8", "--plot", str(plot)]
+    result = subprocess.run(
+        [*PYTHON, str(EXAMPLES / "transformer_lm.py"), *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+        env=env,
+    )
+    assert "step 6/6" in result.stderr  # the progress bar
+    return result.stdout
+
+
+def test_transformer_lm_skips_the_poisoned_step_and_saves_its_plot(tmp_path: Path) -> None:
+    stdout = run_transformer_lm(tmp_path / "lm.png")
+    # Scale 2**16 grows after steps 2 and 5 (two finite steps each) and backs off once for step 3.
+    assert "steps applied 5 skipped 1; final loss scale 131072;" in stdout
+    first, last = map(float, re.findall(r"first step (\S+) .* last applied steps (\S+)", stdout)[0])
+    assert last < first
+    assert f"plot saved to {tmp_path / 'lm.png'}" in stdout
+    assert (tmp_path / "lm.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_transformer_lm_runs_without_matplotlib(tmp_path: Path) -> None:
+    stub = tmp_path / "stub" / "matplotlib"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ImportError('matplotlib hidden by the test')\n")
+    env = {**os.environ, "PYTHONPATH": str(stub.parent)}
+    stdout = run_transformer_lm(tmp_path / "lm.png", env)
+    assert "matplotlib is not installed: no plot saved to" in stdout and not (tmp_path / "lm.png").exists()
