@@ -7,6 +7,7 @@ Everything here is a pure function of its arguments (unless the caller donates t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 from typing import TypeVar
@@ -18,6 +19,7 @@ import torch.utils._pytree as pytree
 from fmp._checks import check_bool
 from fmp._checks import check_int
 from fmp.accumulate import GradientAccumulator
+from fmp.grad import Gradients
 from fmp.grad import LossFn
 from fmp.grad import ScalerTree
 from fmp.grad import mixed_precision_grad
@@ -96,6 +98,7 @@ def train_step(
     optimizer: Optimizer,
     has_aux: bool = False,
     donate: bool = False,
+    reduce_grads: Callable[[Gradients], Gradients] | None = None,
 ) -> tuple[TrainState, StepInfo]:
     """One mixed-precision optimizer step; skipped (state kept bit for bit) when gradients overflow.
 
@@ -135,6 +138,9 @@ def train_step(
         optimizer: A pure optimizer, e.g. `fmp.optim.adamw(...)`.
         has_aux: Whether `loss_fn` returns `(loss, aux)`.
         donate: Whether the step may overwrite the tensors of `state` (see above).
+        reduce_grads: Applied to each call's `Gradients` before they are accumulated or used, e.g.
+            to average them across data-parallel ranks (`fmp.distributed`); it must return
+            `Gradients` of the same structure, and flags that every rank agrees on.
 
     Returns:
         `(new_state, info)`; `info.applied` says whether the update was applied.
@@ -149,9 +155,12 @@ def train_step(
         raise TypeError(f"state must be an fmp.TrainState (TrainState.create(...)), got {type(state).__name__}")
     check_optimizer(optimizer)
     params, opt_state, scaler = state.params, state.opt_state, state.scaler
-    grads, grads_finite, loss, aux, finite_per_loss = mixed_precision_grad(
-        loss_fn, params, scaler, *args, policy=policy, has_aux=has_aux
-    )
+    gradients = mixed_precision_grad(loss_fn, params, scaler, *args, policy=policy, has_aux=has_aux)
+    if reduce_grads is not None:
+        gradients = reduce_grads(gradients)
+        if not isinstance(gradients, Gradients):
+            raise TypeError(f"reduce_grads must return fmp.Gradients, got {type(gradients).__name__}")
+    grads, grads_finite, loss, aux, finite_per_loss = gradients
     accumulator = state.accumulator
     if isinstance(accumulator, GradientAccumulator):
         window = accumulator.add(grads, grads_finite, finite_per_loss)

@@ -9,6 +9,7 @@ from conftest import POLICIES
 from conftest import TOLERANCES
 from conftest import assert_trees_bitwise_equal
 from conftest import assert_unmutated
+from conftest import mlp_batches
 from conftest import mlp_loss
 from conftest import mlp_params
 from conftest import snapshot
@@ -293,3 +294,22 @@ def test_complex_parameters_are_unscaled_and_checked(exponent: int) -> None:
     assert_trees_bitwise_equal(scaled.grads, plain.grads)
     x[1] = float("inf")
     assert not bool(fmp.mixed_precision_grad(loss_fn, params, fmp.NoOpLossScale(), x, policy=fmp.Policy()).grads_finite)
+
+
+def test_reduce_grads_sees_each_calls_gradients_and_its_flags_decide() -> None:
+    optimizer = fmp.optim.sgd(0.1)
+    state = fmp.TrainState.create(mlp_params(), optimizer, fmp.DynamicLossScale.create(init_scale=8.0))
+    x, y = next(mlp_batches(1, 0))
+    seen = []
+
+    def veto(gradients: fmp.Gradients) -> fmp.Gradients:
+        seen.append(gradients)
+        no = torch.zeros((), dtype=torch.bool)
+        return gradients._replace(grads_finite=no, finite_per_loss=no)
+
+    new, info = fmp.train_step(mlp_loss, state, x, y, policy=fmp.Policy(), optimizer=optimizer, reduce_grads=veto)
+    assert len(seen) == 1 and bool(seen[0].grads_finite)
+    assert not bool(info.applied) and float(new.scaler.loss_scale) == 4.0
+    assert_trees_bitwise_equal(new.params, state.params)
+    with pytest.raises(TypeError, match=r"reduce_grads must return fmp\.Gradients, got tuple"):
+        fmp.train_step(mlp_loss, state, x, y, policy=fmp.Policy(), optimizer=optimizer, reduce_grads=lambda g: tuple(g))
