@@ -88,3 +88,15 @@ def test_transformer_lm_runs_without_matplotlib(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(stub.parent)}
     stdout = run_transformer_lm(tmp_path / "lm.png", env)
     assert "matplotlib is not installed: no plot saved to" in stdout and not (tmp_path / "lm.png").exists()
+
+
+def test_readme_training_loop_runs_after_the_quickstart() -> None:
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    quickstart = readme.split("## Quickstart", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    # The quickstart's step runs eager here: the loop below is the subject, and a compile costs 20 s.
+    eager = "import torch\ntorch.compile = lambda fn, **options: fn\n"
+    loop = readme.split("## A real training loop", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    result = subprocess.run(
+        [*PYTHON, "-c", eager + quickstart + loop], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert result.stdout.split()[-3:] == ["2", "0", "2"]
