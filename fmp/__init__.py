@@ -25,6 +25,8 @@ from fmp.step import train_step
 from fmp.tree import all_finite
 from fmp.tree import cast_floating
 from fmp.tree import select_tree
+from fmp.tree import stack_trees
+from fmp.tree import unstack_tree
 
 __version__ = "0.1.0"
 
@@ -52,6 +54,8 @@ __all__ = [
     "optim",
     "raise_if_stalled",
     "select_tree",
+    "stack_trees",
     "train_step",
     "unscale_and_adjust",
+    "unstack_tree",
 ]

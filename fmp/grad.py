@@ -63,12 +63,27 @@ def check_scalers(scaler: Any) -> None:
 
 
 def check_no_module_parameters(params: Any) -> None:
-    """Raises a TypeError naming the leaf if `params` holds an `nn.Parameter`."""
+    """Raises a TypeError naming the leaf if `params` holds an `nn.Parameter` or a tensor that requires grad.
+
+    The step's new params are computed from the old ones, so an autograd leaf would chain every
+    step's graph onto the last (a memory leak). Tensors wrapped by a `torch.func` transform (a
+    meta-gradient through the step) are differentiated on purpose and pass.
+    """
     for path, leaf in pytree.tree_flatten_with_path(params)[0]:
+        where = f"params{pytree.keystr(path)}"
         if isinstance(leaf, torch.nn.Parameter):
             raise TypeError(
-                f"params{pytree.keystr(path)} is an nn.Parameter: autograd would chain every step's graph onto "
-                f"the last (a memory leak); pass {{k: v.detach() for k, v in model.named_parameters()}}"
+                f"{where} is an nn.Parameter: autograd would chain every step's graph onto the last "
+                f"(a memory leak); pass {{k: v.detach() for k, v in model.named_parameters()}}"
+            )
+        if (
+            isinstance(leaf, torch.Tensor)
+            and leaf.requires_grad
+            and not torch._C._functorch.is_functorch_wrapped_tensor(leaf)
+        ):
+            raise TypeError(
+                f"{where} requires grad (torch.func.stack_module_state returns such tensors): autograd would "
+                f"chain every step's graph onto the last (a memory leak); pass it .detach()ed"
             )
 
 

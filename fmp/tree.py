@@ -17,7 +17,9 @@ __all__ = [
     "is_floating_tensor",
     "is_inexact_tensor",
     "select_tree",
+    "stack_trees",
     "tree_device",
+    "unstack_tree",
 ]
 
 Tree = TypeVar("Tree")
@@ -207,3 +209,39 @@ def select_tree(pred: torch.Tensor, on_true: Tree, on_false: Tree) -> Tree:
             )
         selected.append(torch.where(pred, a, b))
     return cast(Tree, pytree.tree_unflatten(selected, true_spec))
+
+
+def stack_trees(trees: list[Tree]) -> Tree:
+    """Stacks trees of one structure leaf by leaf along a new leading dim, e.g. an ensemble's states.
+
+    The result maps under `torch.func.vmap` (each member one slice). Hyperparameters live in the
+    treespec, so the members' must agree: one `DynamicLossScale.create(...)` configuration for all,
+    with any starting scale.
+
+    Args:
+        trees: One or more pytrees of tensors with the same structure, shapes and dtypes.
+
+    Returns:
+        One tree whose leaves have a leading dim of `len(trees)`.
+
+    Raises:
+        ValueError: If `trees` is empty or two trees differ in structure (their hyperparameters, say).
+    """
+    if not trees:
+        raise ValueError("stack_trees needs at least one tree")
+    leaves, spec = pytree.tree_flatten(trees[0])
+    columns = [leaves]
+    for index, tree in enumerate(trees[1:], start=1):
+        other, other_spec = pytree.tree_flatten(tree)
+        if other_spec != spec:
+            raise ValueError(
+                f"stack_trees: tree {index} differs in structure from tree 0 (hyperparameters included): "
+                f"{other_spec} vs {spec}"
+            )
+        columns.append(other)
+    return cast(Tree, pytree.tree_unflatten([torch.stack(column) for column in zip(*columns, strict=True)], spec))
+
+
+def unstack_tree(tree: Tree, index: int) -> Tree:
+    """The `index`-th member of a tree stacked by `stack_trees` (a view of each leaf's slice)."""
+    return cast(Tree, pytree.tree_map(lambda x: x[index], tree))

@@ -257,6 +257,9 @@ def test_params_that_the_step_cannot_differentiate_are_named() -> None:
         fmp.mixed_precision_grad(
             mlp_loss, {**params, "w1": torch.nn.Parameter(params["w1"])}, scaler, x, y, policy=policy
         )
+    stacked, _ = torch.func.stack_module_state([torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)])
+    with pytest.raises(TypeError, match=r"params\['weight'\] requires grad \(torch.func.stack_module_state"):
+        fmp.TrainState.create(stacked, fmp.optim.sgd(0.1), scaler)
 
 
 def test_non_tensor_aux_is_named() -> None:

@@ -184,14 +184,6 @@ def test_compiled_short_form_skips_bit_for_bit() -> None:
     assert counter.frame_count == 1
 
 
-def stack(trees: list[Any]) -> Any:
-    return pytree.tree_map(lambda *xs: torch.stack(xs), *trees)
-
-
-def unstack(tree: Any, index: int) -> Any:
-    return pytree.tree_map(lambda x: x[index], tree)
-
-
 def test_vmap_over_an_ensemble_gives_each_member_its_own_scale() -> None:
     policy = fmp.Policy()
     members = [
@@ -204,13 +196,15 @@ def test_vmap_over_an_ensemble_gives_each_member_its_own_scale() -> None:
     xs, ys = torch.stack([x for x, _ in data]), torch.stack([y for _, y in data])
     xs[1, 2, 3] = float("nan")  # member 1 alone overflows
     step = torch.func.vmap(functools.partial(fmp.train_step, mlp_loss, policy=policy, optimizer=ADAMW))
-    new, info = step(stack(members), xs, ys)
+    new, info = step(fmp.stack_trees(members), xs, ys)
     assert info.grads_finite.tolist() == [True, False, True]
     assert new.scaler.loss_scale.tolist() == [2.0**5, 2.0**7, 2.0**13]
-    assert_trees_bitwise_equal(unstack((new.params, new.opt_state), 1), (members[1].params, members[1].opt_state))
+    assert_trees_bitwise_equal(
+        fmp.unstack_tree((new.params, new.opt_state), 1), (members[1].params, members[1].opt_state)
+    )
     for i in (0, 2):
         alone, alone_info = fmp.train_step(mlp_loss, members[i], xs[i], ys[i], policy=policy, optimizer=ADAMW)
-        assert_trees_close(unstack(new.params, i), alone.params, **TOLERANCES[torch.float32])
+        assert_trees_close(fmp.unstack_tree(new.params, i), alone.params, **TOLERANCES[torch.float32])
         torch.testing.assert_close(info.loss[i], alone_info.loss, **TOLERANCES[torch.float32])
 
 

@@ -83,3 +83,14 @@ def test_select_tree_rejects_mismatched_trees() -> None:
         fmp.select_tree(torch.tensor([True]), {}, {})
     with pytest.raises(TypeError, match="pred must be a 0-dim bool"):
         fmp.select_tree(True, {}, {})  # type: ignore[arg-type]
+
+
+def test_stack_trees_stacks_members_and_names_a_mismatch() -> None:
+    members = [fmp.DynamicLossScale.create(init_scale=2.0**k) for k in (3, 5)]
+    stacked = fmp.stack_trees(members)
+    assert stacked.loss_scale.tolist() == [8.0, 32.0] and stacked.growth_interval == 2000
+    assert float(fmp.unstack_tree(stacked, 1).loss_scale) == 32.0
+    with pytest.raises(ValueError, match="tree 1 differs in structure from tree 0"):
+        fmp.stack_trees([members[0], fmp.DynamicLossScale.create(growth_interval=7)])
+    with pytest.raises(ValueError, match="at least one tree"):
+        fmp.stack_trees([])

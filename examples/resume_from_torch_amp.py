@@ -1,0 +1,364 @@
+"""Migrating mid-run: a torch.amp checkpoint resumed with fmp, on the same loss-scale trajectory.
+
+A small MLP trains for `--steps-before` steps with plain torch.amp (`torch.autocast`,
+`torch.amp.GradScaler`, `torch.optim.AdamW` or `SGD` with momentum) and is checkpointed with
+`torch.save`. From that checkpoint two runs go on side by side for `--steps-after` steps: torch.amp
+as before, and fmp, whose state is built from the checkpoint: the params from the model's
+state_dict, the optimizer state converted from torch.optim's state_dict (`optimizer_from_torch`
+below), the loss scale from the GradScaler's (`fmp.DynamicLossScale.from_state_dict`). Every fifth
+batch holds an inf and the scale grows every three finite steps, so both runs back off, skip and
+grow; the scales they print step by step are identical. Then the fmp state goes through
+`torch.save` and `torch.load(weights_only=True)` bit for bit, and back the other way a GradScaler
+loads fmp's scaler state.
+
+The losses and params of the two runs differ slightly: autocast casts op by op (the loss in
+float32, the targets never rounded), fmp's policy casts the whole model and every floating
+argument, targets included, to the compute dtype. So scale trajectories compare exactly and params
+within a loose tolerance. In this model the targets' rounding is the only difference: with
+`--exact-targets` (targets exact in the compute dtype) the two runs agree bit for bit, which also
+shows that the converted optimizer state is exact.
+
+    python examples/resume_from_torch_amp.py [--optimizer sgd --steps-before 8 --steps-after 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+import fmp
+
+IN_FEATURES = 16
+INIT_SCALE = 2.0**10
+GROWTH_INTERVAL = 3
+OVERFLOW_EVERY = 5  # every fifth batch (global step 4, 9, 14, ...) holds an inf
+TORCH_NAMES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
+
+
+def make_model(width: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(IN_FEATURES, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1)
+    )
+
+
+def make_torch_optimizer(kind: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+
+def batches(
+    steps: int, batch: int, seed: int, target_dtype: torch.dtype = torch.float32
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The whole run's batches, so both halves of it see the stream an uninterrupted run would.
+
+    The targets are rounded to `target_dtype` (and stored in float32).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(IN_FEATURES, 1, generator=gen)
+    data = []
+    for step in range(steps):
+        x = torch.randn(batch, IN_FEATURES, generator=gen)
+        y = torch.tanh(x @ teacher).to(target_dtype).float()
+        if step % OVERFLOW_EVERY == OVERFLOW_EVERY - 1:
+            x[0, 0] = float("inf")
+        data.append((x, y))
+    return data
+
+
+def torch_amp_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[float, float, bool]:
+    """One torch.amp step; returns the loss, the scale it used and whether the update was applied."""
+    scale = scaler.get_scale()
+    with torch.autocast(x.device.type, dtype=dtype):
+        loss = nn.functional.mse_loss(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad()
+    # GradScaler always backs off when it skips, so a lower scale is how a skipped step shows.
+    return float(loss.detach()), scale, scaler.get_scale() >= scale
+
+
+def optimizer_from_torch(
+    kind: str, saved: Mapping[str, Any], params: dict[str, torch.Tensor], applied_steps: int
+) -> tuple[fmp.optim.Optimizer, Any]:
+    """fmp's optimizer and optimizer state equal to a `torch.optim` optimizer's `state_dict()`.
+
+    Args:
+        kind: "adamw", "adam" or "sgd": the torch.optim class that saved `saved`.
+        saved: `optimizer.state_dict()` of that optimizer, built on `params` in this order (as
+            `model.parameters()` lists them) in one param group.
+        params: The parameters, by name, on the device the state should live on.
+        applied_steps: Optimizer steps torch applied (skipped ones not counted). torch.optim.SGD
+            keeps no count of its own, fmp's SgdState does (step 0 seeds the momentum buffers, a
+            schedule reads it); Adam's count in `saved` is checked against it.
+
+    Returns:
+        `(optimizer, opt_state)`, for `TrainState.create(...)._replace(opt_state=opt_state)`.
+
+    Raises:
+        ValueError: Naming what does not match: the optimizer kind, the param groups, the number,
+            shapes or dtypes of the parameters, a state entry, or a setting fmp has no equal for.
+    """
+    if kind not in TORCH_NAMES:
+        raise ValueError(f"kind must be one of {sorted(TORCH_NAMES)}, got {kind!r}")
+    groups, states = saved.get("param_groups"), saved.get("state")
+    if not isinstance(groups, list) or not isinstance(states, Mapping):
+        raise ValueError(f"not a torch.optim state_dict: keys {sorted(saved)}, expected 'state' and 'param_groups'")
+    if len(groups) != 1:
+        raise ValueError(
+            f"fmp's optimizers take one set of hyperparameters; the checkpoint has {len(groups)} param groups"
+        )
+    group, names = groups[0], list(params)
+    is_adam = kind != "sgd"
+    # The settings this converter maps onto fmp's optimizer, and those that only pick torch's kernels.
+    required = {"params", "lr", "weight_decay"} | (
+        {"betas", "eps"} if is_adam else {"momentum", "dampening", "nesterov"}
+    )
+    known = required | {"maximize", "foreach", "capturable", "differentiable", "fused", "initial_lr"}
+    known |= {"amsgrad", "decoupled_weight_decay"} if is_adam else set()
+    missing_keys, unknown_keys = sorted(required - set(group)), sorted(set(group) - known)
+    if missing_keys or unknown_keys:
+        raise ValueError(
+            f"not a torch.optim.{TORCH_NAMES[kind]} state_dict: its param group "
+            f"lacks {missing_keys} and has unknown settings {unknown_keys}"
+        )
+    if len(group["params"]) != len(names):
+        raise ValueError(f"the optimizer checkpoint holds {len(group['params'])} parameters, the model {len(names)}")
+    if group.get("maximize"):
+        raise ValueError("the checkpoint's optimizer has maximize=True, which fmp's optimizers do not offer")
+    per_param = [states.get(index) for index in group["params"]]
+    lr = float(group["lr"])  # torch allows a tensor lr
+
+    def restored(name: str, entry: Mapping[str, Any], key: str) -> torch.Tensor:
+        if key not in entry or not isinstance(entry[key], torch.Tensor):
+            raise ValueError(f"the optimizer state of {name} has no tensor {key!r}: keys {sorted(entry)}")
+        value, param = entry[key], params[name]
+        if value.shape != param.shape or value.dtype != param.dtype:
+            raise ValueError(
+                f"{key} of {name} is {value.dtype}{list(value.shape)}, the param {param.dtype}{list(param.shape)}"
+            )
+        # A copy: a live optimizer's state_dict() (and one loaded into it) shares these tensors, and
+        # torch.optim updates them in place.
+        return value.to(param.device, copy=True)
+
+    def restored_step(name: str, entry: Mapping[str, Any]) -> float:
+        if not isinstance(entry.get("step"), torch.Tensor | float | int):
+            raise ValueError(f"the optimizer state of {name} has no step count: keys {sorted(entry)}")
+        return float(entry["step"])
+
+    if is_adam:
+        if group.get("amsgrad"):
+            raise ValueError("the checkpoint's Adam uses amsgrad=True, which fmp.optim.adam/adamw do not offer")
+        # torch >= 2.6 records it; older AdamW checkpoints lack the key and are taken at their kind's word.
+        decoupled = group.get("decoupled_weight_decay", kind == "adamw")
+        if decoupled != (kind == "adamw"):
+            raise ValueError(f"expected torch.optim.{TORCH_NAMES[kind]} but decoupled_weight_decay={decoupled}")
+        make = fmp.optim.adamw if kind == "adamw" else fmp.optim.adam
+        betas = (float(group["betas"][0]), float(group["betas"][1]))
+        optimizer = make(lr, betas, float(group["eps"]), float(group["weight_decay"]))
+    else:
+        optimizer = fmp.optim.sgd(
+            lr,
+            float(group["momentum"]),
+            dampening=float(group["dampening"]),
+            nesterov=bool(group["nesterov"]),
+            weight_decay=float(group["weight_decay"]),
+        )
+    # fmp's init gives the state's structure, dtypes and device; the checkpoint fills in the values.
+    fresh = optimizer.init(params)
+    if not is_adam and not group["momentum"]:
+        return optimizer, fresh  # plain SGD keeps no state, in torch or in fmp
+    if all(entry is None for entry in per_param):
+        if applied_steps:
+            raise ValueError(f"the optimizer checkpoint holds no state, yet {applied_steps} steps were applied")
+        return optimizer, fresh  # torch never stepped: nothing to carry over
+    missing = [name for name, entry in zip(names, per_param, strict=True) if entry is None]
+    if missing:
+        raise ValueError(f"the optimizer checkpoint has state for some parameters but not for {missing}")
+    count = torch.full_like(fresh.step, applied_steps)
+    if is_adam:
+        steps = {restored_step(name, entry) for name, entry in zip(names, per_param, strict=True)}
+        if steps != {applied_steps}:
+            raise ValueError(f"the checkpoint's Adam step counts are {sorted(steps)}, expected {applied_steps} for all")
+        return optimizer, fresh._replace(
+            step=count,
+            exp_avg={name: restored(name, entry, "exp_avg") for name, entry in zip(names, per_param, strict=True)},
+            exp_avg_sq={
+                name: restored(name, entry, "exp_avg_sq") for name, entry in zip(names, per_param, strict=True)
+            },
+        )
+    momentum = {name: restored(name, entry, "momentum_buffer") for name, entry in zip(names, per_param, strict=True)}
+    return optimizer, fresh._replace(step=count, momentum=momentum)
+
+
+def trees_bitwise_equal(a: Any, b: Any) -> bool:
+    """Same structure (hyperparameters included), and every tensor leaf the same bits."""
+    a_leaves, a_spec = pytree.tree_flatten(a)
+    b_leaves, b_spec = pytree.tree_flatten(b)
+    if a_spec != b_spec:
+        return False
+    int_dtypes = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+    for x, y in zip(a_leaves, b_leaves, strict=True):
+        if isinstance(x, torch.Tensor):
+            if x.dtype != y.dtype or x.shape != y.shape or x.device != y.device:
+                return False
+            view = int_dtypes[x.element_size()]
+            if not torch.equal(x.contiguous().view(view), y.contiguous().view(view)):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps-before", type=int, default=8, help="torch.amp steps before the checkpoint")
+    parser.add_argument("--steps-after", type=int, default=16, help="steps of each run after it")
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--tolerance", type=float, default=2e-3, help="the largest param difference accepted")
+    parser.add_argument(
+        "--exact-targets",
+        action="store_true",
+        help="round the targets to the compute dtype, so that fmp's cast of them loses nothing: "
+        "the two runs then agree bit for bit",
+    )
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint-dir", type=Path, default=None, help="default: a temporary directory")
+    args = parser.parse_args()
+    if args.steps_before < 1 or args.steps_after < 1:
+        parser.error("--steps-before and --steps-after must be at least 1")
+    if args.checkpoint_dir is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            run(args, Path(tmp))
+    else:
+        args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        run(args, args.checkpoint_dir)
+
+
+def run(args: argparse.Namespace, checkpoint_dir: Path) -> None:
+    device = torch.device(args.device)
+    # "half" is bfloat16 on CPU and float16 on CUDA, autocast's defaults there; both runs use it.
+    policy = fmp.get_policy("params=float32,compute=half,output=float32", device_type=device.type)
+    dtype = policy.compute_dtype
+    target_dtype = dtype if args.exact_targets else torch.float32
+    steps = args.steps_before + args.steps_after
+    data = [(x.to(device), y.to(device)) for x, y in batches(steps, args.batch, args.seed, target_dtype)]
+    torch.manual_seed(args.seed)
+    print(f"{args.optimizer}, policy {policy} on {device}; an inf in every {OVERFLOW_EVERY}th batch")
+
+    # 1. Plain torch.amp, then a checkpoint.
+    model = make_model(args.width).to(device)
+    optimizer = make_torch_optimizer(args.optimizer, model, args.lr)
+    scaler = torch.amp.GradScaler(device.type, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
+    applied_steps = 0
+    for step, (x, y) in enumerate(data[: args.steps_before]):
+        loss, scale, applied = torch_amp_step(model, optimizer, scaler, x, y, dtype)
+        applied_steps += applied
+        print(f"step {step:3d} torch.amp      loss {loss:9.5f}  scale {scale:g} -> {scaler.get_scale():g}")
+    path = checkpoint_dir / "torch_amp.pt"
+    checkpoint = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict(),
+        "step": args.steps_before,
+        "applied_steps": applied_steps,  # torch.optim.SGD keeps no count of its own
+    }
+    torch.save(checkpoint, path)
+    print(f"checkpoint after {args.steps_before} steps ({applied_steps} applied) saved to {path}")
+
+    # 2a. torch.amp resumes from the checkpoint...
+    checkpoint = torch.load(path, map_location=device, weights_only=True)
+    model = make_model(args.width).to(device)
+    model.load_state_dict(checkpoint["model"])
+    optimizer = make_torch_optimizer(args.optimizer, model, args.lr)
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    scaler = torch.amp.GradScaler(device.type)
+    scaler.load_state_dict(checkpoint["scaler"])
+
+    # 2b. ...and so does fmp. The module lends its structure to functional_call; its copy holds no memory.
+    skeleton = copy.deepcopy(model).to("meta")
+    params = {name: checkpoint["model"][name].detach().clone() for name, _ in skeleton.named_parameters()}
+    fmp_optimizer, opt_state = optimizer_from_torch(
+        args.optimizer, checkpoint["optimizer"], params, checkpoint["applied_steps"]
+    )
+    state = fmp.TrainState.create(params, fmp_optimizer, fmp.DynamicLossScale.from_state_dict(checkpoint["scaler"]))
+    state = state._replace(opt_state=opt_state)
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = torch.func.functional_call(skeleton, params, (x,))
+        return nn.functional.mse_loss(out.float(), y.float())  # reduced in float32, as autocast does
+
+    step_fn = functools.partial(fmp.train_step, loss_fn, policy=policy, optimizer=fmp_optimizer)
+    torch_scales, fmp_scales = [], []
+    for step, (x, y) in enumerate(data[args.steps_before :], start=args.steps_before):
+        amp_loss, amp_scale, _ = torch_amp_step(model, optimizer, scaler, x, y, dtype)
+        state, info = step_fn(state, x, y)
+        # Reading fmp's values syncs with the host: fine for a demo that prints every step.
+        fmp_loss, fmp_scale, fmp_next = float(info.loss), float(info.loss_scale), float(state.scaler.loss_scale)
+        torch_scales.append((amp_scale, scaler.get_scale()))
+        fmp_scales.append((fmp_scale, fmp_next))
+        skipped = "" if bool(info.grads_finite) else "  (skipped)"
+        print(
+            f"step {step:3d} torch.amp      loss {amp_loss:9.5f}  scale {amp_scale:g} -> {scaler.get_scale():g}\n"
+            f"         fmp            loss {fmp_loss:9.5f}  scale {fmp_scale:g} -> {fmp_next:g}{skipped}"
+        )
+    identical = torch_scales == fmp_scales
+    growths = sum(after > before for before, after in fmp_scales)
+    backoffs = sum(after < before for before, after in fmp_scales)
+    print(f"loss-scale trajectories identical: {identical} ({growths} growths, {backoffs} backoffs)")
+    torch_params = dict(model.named_parameters())
+    difference = max(float((state.params[name] - torch_params[name].detach()).abs().max()) for name in state.params)
+    moved = max(float((state.params[name] - checkpoint["model"][name]).abs().max()) for name in state.params)
+    print(f"max |param difference| fmp vs torch.amp: {difference:.3g}, tolerance {args.tolerance:g}")
+    dtype_name = str(dtype).removeprefix("torch.")
+    why = (
+        "the targets are exact in the compute dtype, so fmp's cast of them loses nothing"
+        if args.exact_targets
+        else f"autocast leaves mse_loss's targets in float32, fmp's policy rounds them to {dtype_name}"
+    )
+    print(f"  (params moved up to {moved:.3g} since the checkpoint; {why})")
+
+    # 3. fmp's own checkpoint: the whole TrainState, loaded back with torch's safe loader.
+    fmp_path = checkpoint_dir / "fmp_state.pt"
+    torch.save(state, fmp_path)
+    with torch.serialization.safe_globals(fmp.checkpoint_classes()):
+        restored = torch.load(fmp_path, map_location=device, weights_only=True)
+    reloaded = trees_bitwise_equal(restored, state)
+    print(f"fmp state reloaded from {fmp_path} with weights_only=True, bit for bit: {reloaded}")
+
+    # 4. And back to torch.amp: GradScaler reads fmp's scaler state_dict, the model its params.
+    back = torch.amp.GradScaler(device.type)
+    back.load_state_dict(restored.scaler.state_dict())
+    make_model(args.width).to(device).load_state_dict(restored.params)
+    tracker, same = back.state_dict()["_growth_tracker"], back.state_dict() == scaler.state_dict()
+    print(
+        f"GradScaler loaded from fmp's scaler: scale {back.get_scale():g}, growth tracker {tracker}, "
+        f"equal to the torch.amp run's: {same}"
+    )
+    if not (identical and difference <= args.tolerance and reloaded and same):
+        raise SystemExit("a claim above does not hold")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""The ensemble and migration examples run, small, and say what they claim."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import bits
+from resume_from_torch_amp import make_model
+from resume_from_torch_amp import optimizer_from_torch
+
+import fmp
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+# Warnings are errors, as in pytest's own settings, except the one torch's inductor raises at import.
+PYTHON = [sys.executable, "-W", "error", "-W", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"]
+
+
+def run_example(name: str, *args: str) -> str:
+    result = subprocess.run(
+        [*PYTHON, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def number(pattern: str, out: str) -> float:
+    """The number the first group of `pattern` captures in `out`."""
+    match = re.search(pattern, out, re.MULTILINE)
+    assert match is not None, f"{pattern!r} not in the output:\n{out}"
+    return float(match.group(1))
+
+
+ENSEMBLE_ARGS = ["--members", "3", "--steps", "30", "--width", "16", "--batch", "8", "--growth-interval", "4"]
+MEMBER_LINE = re.compile(
+    r"^member (\d+): held-out loss (\S+) -> (\S+)  loss scale (\S+)  skipped (\d+) steps$", re.MULTILINE
+)
+
+
+# Member i starts at 2**(8 + 2i) and, over 30 steps, grows every 4 finite steps: 7 times unless it
+# skips. Injected every 7th step (6, 13, 20, 27), member 1 skips 4 times, each skip backing off the
+# one growth since the last, so it ends where it began; every 5th (4, 9, ..., 29), member 2 skips 6.
+@pytest.mark.parametrize(
+    ("member", "every", "scales", "skipped"),
+    [(1, 7, [2**15, 2**10, 2**19], [0, 4, 0]), (2, 5, [2**15, 2**17, 2**12], [0, 0, 6])],
+)
+def test_ensemble_members_keep_their_own_scales_and_skips(
+    member: int, every: int, scales: list[int], skipped: list[int]
+) -> None:
+    out = run_example("ensemble_vmap.py", *ENSEMBLE_ARGS, "--inject-member", str(member), "--inject-every", str(every))
+    rows = MEMBER_LINE.findall(out)
+    assert [int(m) for m, *_ in rows] == [0, 1, 2]
+    assert [float(scale) for *_, scale, _ in rows] == scales
+    assert [int(n) for *_, n in rows] == skipped
+    # Skipped steps leave Adam's step count alone: it counts the applied ones.
+    assert f"Adam steps applied per member: {[30 - n for n in skipped]}" in out
+    assert "skipped steps kept params and optimizer state bit for bit, applied steps changed them: True" in out
+    before, after = [float(b) for _, b, _, _, _ in rows], [float(a) for _, _, a, _, _ in rows]
+    assert all(a < 0.9 * b for a, b in zip(after, before, strict=True))  # every member learns...
+    assert len(set(after)) == 3  # ...and they are different models
+    assert number(r"between two members (\S+)$", out) > 0.1
+
+
+RESUME_ARGS = ["--steps-before", "6", "--steps-after", "10", "--width", "16", "--batch", "8"]
+# Scale 1024, growth every 3 finite steps, an inf at global steps 4, 9 and 14: the checkpoint after
+# step 5 holds scale 1024 and growth tracker 1, and steps 6 to 15 use and leave these scales.
+RESUMED_SCALES = [(1024, 1024), (1024, 2048), (2048, 2048), (2048, 1024), (1024, 1024)] * 2
+STEP_LINE = re.compile(r"^(?:step +\d+)? +(torch\.amp|fmp) +loss +\S+  scale (\S+) -> (\S+)", re.MULTILINE)
+
+
+def resumed_scales(out: str) -> dict[str, list[tuple[float, float]]]:
+    after = out.split("saved to", 1)[1]
+    by_run: dict[str, list[tuple[float, float]]] = {"torch.amp": [], "fmp": []}
+    for run, used, new in STEP_LINE.findall(after):
+        by_run[run].append((float(used), float(new)))
+    return by_run
+
+
+@pytest.mark.parametrize(("optimizer", "exact"), [("adamw", False), ("sgd", True)])
+def test_resume_from_torch_amp_follows_its_scale_and_round_trips(optimizer: str, exact: bool, tmp_path: Path) -> None:
+    extra = ["--exact-targets"] if exact else []
+    out = run_example(
+        "resume_from_torch_amp.py", *RESUME_ARGS, "--optimizer", optimizer, "--checkpoint-dir", str(tmp_path), *extra
+    )
+    assert "checkpoint after 6 steps (5 applied)" in out
+    scales = resumed_scales(out)
+    assert scales["torch.amp"] == scales["fmp"] == RESUMED_SCALES
+    assert out.count("(skipped)") == 2
+    assert "loss-scale trajectories identical: True (2 growths, 2 backoffs)" in out
+    difference = number(r"fmp vs torch.amp: (\S+), tolerance", out)
+    moved = number(r"params moved up to (\S+) since", out)
+    if exact:  # targets exact in bfloat16: the runs, and so the converted optimizer state, agree bit for bit
+        assert difference == 0.0
+    else:  # only the targets' rounding differs: well below the movement the training made
+        assert 0.0 < difference < 0.1 * moved
+    assert "bit for bit: True" in out
+    assert "scale 1024, growth tracker 1, equal to the torch.amp run's: True" in out
+    # The state the example saved loads here too, with torch's safe loader.
+    with torch.serialization.safe_globals(fmp.checkpoint_classes()):
+        state = torch.load(tmp_path / "fmp_state.pt", weights_only=True)
+    assert float(state.scaler.loss_scale) == 1024.0 and int(state.scaler.growth_tracker) == 1
+    assert int(state.opt_state.step) == 5 + 8  # applied before the checkpoint, then after it
+    assert (tmp_path / "torch_amp.pt").is_file()
+
+
+def torch_run(kind: str, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:
+    """A float32 torch.optim run of `steps` steps, and the batch for one more."""
+    torch.manual_seed(0)
+    model = make_model(8)
+    optimizer: torch.optim.Optimizer
+    if kind == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
+    elif kind == "adam":
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.1)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(4, 16, generator=gen) for _ in range(steps + 1)]
+    for x in batches[:steps]:
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer, batches
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adam", "sgd"])
+def test_converted_optimizer_state_continues_torch_optim_bit_for_bit(kind: str) -> None:
+    model, optimizer, batches = torch_run(kind, steps=3)
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    fmp_optimizer, opt_state = optimizer_from_torch(kind, optimizer.state_dict(), params, applied_steps=3)
+    # In float32 without loss scaling, fmp's optimizers are torch.optim's arithmetic op for op.
+    state = fmp.TrainState.create(params, fmp_optimizer, fmp.NoOpLossScale())._replace(opt_state=opt_state)
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, params, (x,)).square().mean()
+
+    # torch steps first, updating its buffers in place: fmp's converted state must not share them.
+    model(batches[-1]).square().mean().backward()
+    optimizer.step()
+    state, _ = fmp.train_step(loss_fn, state, batches[-1], policy=fmp.Policy(), optimizer=fmp_optimizer)
+    for name, p in model.named_parameters():
+        assert torch.equal(bits(state.params[name]), bits(p.detach())), name
+    assert int(state.opt_state.step) == 4
+
+
+def adamw_checkpoint() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    model, optimizer, _ = torch_run("adamw", steps=2)
+    return optimizer.state_dict(), {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_converter_names_what_does_not_match() -> None:
+    saved, params = adamw_checkpoint()
+    with pytest.raises(ValueError, match=r"not a torch.optim.SGD state_dict: its param group lacks \['dampening'"):
+        optimizer_from_torch("sgd", saved, params, 2)
+    with pytest.raises(ValueError, match="holds 6 parameters, the model 5"):
+        optimizer_from_torch("adamw", saved, dict(list(params.items())[:5]), 2)
+    with pytest.raises(ValueError, match=r"step counts are \[2.0\], expected 3 for all"):
+        optimizer_from_torch("adamw", saved, params, 3)
+    with pytest.raises(ValueError, match=r"expected torch\.optim\.Adam but decoupled_weight_decay=True"):
+        optimizer_from_torch("adam", saved, params, 2)
+    swapped = dict(zip(params, reversed(list(params.values())), strict=True))
+    with pytest.raises(
+        ValueError, match=r"exp_avg of 0.weight is torch.float32\[8, 16\], the param torch.float32\[1\]"
+    ):
+        optimizer_from_torch("adamw", saved, swapped, 2)
+    two_groups = {**saved, "param_groups": saved["param_groups"] * 2}
+    with pytest.raises(ValueError, match="one set of hyperparameters; the checkpoint has 2 param groups"):
+        optimizer_from_torch("adamw", two_groups, params, 2)
+    amsgrad = {**saved, "param_groups": [{**saved["param_groups"][0], "amsgrad": True}]}
+    with pytest.raises(ValueError, match="amsgrad=True"):
+        optimizer_from_torch("adamw", amsgrad, params, 2)
+    partial = {**saved, "state": {k: v for k, v in saved["state"].items() if k != 3}}
+    with pytest.raises(ValueError, match=r"state for some parameters but not for \['2.bias'\]"):
+        optimizer_from_torch("adamw", partial, params, 2)
+    with pytest.raises(ValueError, match=r"not a torch\.optim state_dict"):
+        optimizer_from_torch("adamw", {"exp_avg": 0}, params, 2)
