@@ -31,7 +31,7 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
 }
 _POLICY_DTYPES = frozenset(_DTYPE_NAMES.values())
 _KEYS = {"params": "param_dtype", "p": "param_dtype", "compute": "compute_dtype", "c": "compute_dtype"}
-_KEYS |= {"output": "output_dtype", "o": "output_dtype"}
+_KEYS |= {"output": "output_dtype", "o": "output_dtype", "reduce": "reduce_dtype", "r": "reduce_dtype"}
 
 # Device types whose preferred 16-bit float is bfloat16 (torch.autocast's default there); float16 elsewhere.
 _BFLOAT16_DEVICE_TYPES = frozenset({"cpu", "xla", "xpu", "hpu"})
@@ -76,7 +76,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """A mixed-precision policy: the dtypes of stored parameters, of compute, and of outputs.
+    """A mixed-precision policy: the dtypes of stored parameters, of compute, of outputs and of reductions.
 
     A policy is configuration, not state: it is hashable and is not a pytree. Its casts touch
     floating-point tensor leaves only; everything else passes through untouched.
@@ -85,17 +85,28 @@ class Policy:
         param_dtype: The dtype parameters (and gradients, and optimizer math) are kept in.
         compute_dtype: The dtype the forward and backward passes run in.
         output_dtype: The dtype of the loss function's result.
+        reduce_dtype: The dtype gradients are averaged in across data-parallel ranks
+            (`fmp.distributed`, as FSDP's `reduce_dtype`); None, the default, means `param_dtype`,
+            and keeps following it through `with_param_dtype`. `effective_reduce_dtype` resolves it.
     """
 
     param_dtype: torch.dtype = torch.float32
     compute_dtype: torch.dtype = torch.float32
     output_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             dtype = getattr(self, field.name)
+            if dtype is None and field.name == "reduce_dtype":
+                continue
             if dtype not in _POLICY_DTYPES:
                 raise TypeError(f"Policy.{field.name} must be one of {sorted(map(str, _POLICY_DTYPES))}, got {dtype!r}")
+
+    @property
+    def effective_reduce_dtype(self) -> torch.dtype:
+        """The dtype gradients are reduced in: `reduce_dtype`, or `param_dtype` when that is None."""
+        return self.param_dtype if self.reduce_dtype is None else self.reduce_dtype
 
     def cast_to_param(self, tree: Tree) -> Tree:
         """Casts the floating-point tensor leaves of `tree` to `param_dtype`."""
@@ -121,20 +132,28 @@ class Policy:
         """Returns a copy of this policy with `output_dtype` replaced."""
         return dataclasses.replace(self, output_dtype=dtype)
 
+    def with_reduce_dtype(self, dtype: torch.dtype | None) -> Policy:
+        """Returns a copy of this policy with `reduce_dtype` replaced (None: follow `param_dtype`)."""
+        return dataclasses.replace(self, reduce_dtype=dtype)
+
     def __str__(self) -> str:
-        return (
+        spec = (
             f"params={_dtype_name(self.param_dtype)},"
             f"compute={_dtype_name(self.compute_dtype)},"
             f"output={_dtype_name(self.output_dtype)}"
         )
+        # Only a reduce dtype that was set is written, so that a policy following params parses back equal.
+        return spec if self.reduce_dtype is None else f"{spec},reduce={_dtype_name(self.reduce_dtype)}"
 
 
 def get_policy(spec: str, *, device_type: str | None = None) -> Policy:
     """Parses a policy string such as "params=float32,compute=bfloat16,output=float32".
 
     The grammar is jmp's: comma-separated `key=dtype` pairs with keys `params`/`p`,
-    `compute`/`c` and `output`/`o`. Unset keys default as: params float32, compute follows params,
-    output follows compute. A bare dtype ("bf16") sets all three. Dtypes are spelled as in torch or
+    `compute`/`c` and `output`/`o`, plus fmp's `reduce`/`r` (the data-parallel gradient reduction,
+    see `Policy.reduce_dtype`). Unset keys default as: params float32, compute follows params,
+    output follows compute, reduce follows params (None). A bare dtype ("bf16") sets params, compute
+    and output. Dtypes are spelled as in torch or
     jmp (float32, fp32, f32, full, float16, fp16, f16, bfloat16, bf16, float64, f64, ...) and "half"
     is the platform's 16-bit float (see `half_dtype`). Case and whitespace do not matter.
     `get_policy(str(policy)) == policy` for every policy.
@@ -170,4 +189,4 @@ def get_policy(spec: str, *, device_type: str | None = None) -> Policy:
         chosen[field] = _parse_dtype(value, device_type)
     param = chosen.get("param_dtype", torch.float32)
     compute = chosen.get("compute_dtype", param)
-    return Policy(param, compute, chosen.get("output_dtype", compute))
+    return Policy(param, compute, chosen.get("output_dtype", compute), chosen.get("reduce_dtype"))

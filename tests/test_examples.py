@@ -15,15 +15,13 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 PYTHON = [sys.executable, "-W", "error", "-W", "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"]
 
 
+def run_example(script: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    command = [*PYTHON, str(EXAMPLES / script), *args]
+    return subprocess.run(command, capture_output=True, text=True, check=True, timeout=300, env=env)
+
+
 def test_seed_recipe_demo_runs_and_tracks_torch_amp() -> None:
-    args = ["--width", "32", "--batch", "16", "--batches", "3", "--epochs", "3"]
-    result = subprocess.run(
-        [*PYTHON, str(EXAMPLES / "seed_recipe.py"), *args],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
+    result = run_example("seed_recipe.py", ["--width", "32", "--batch", "16", "--batches", "3", "--epochs", "3"])
     rows = re.findall(r"^\s*(\S+) epoch (\d): loss (\S+)  loss scale (\S+)$", result.stdout, re.MULTILINE)
     by_run: dict[str, list[tuple[float, float]]] = {}
     for run, _, loss, scale in rows:
@@ -59,14 +57,7 @@ def test_readme_fast_path_runs_after_the_quickstart() -> None:
 def run_transformer_lm(plot: Path, env: dict[str, str] | None = None) -> str:
     args = ["--steps", "6", "--accumulate", "2", "--poison-step", "3", "--growth-interval", "2", "--layers", "1"]
     args += ["--width", "32", "--length", "16", "--batch", "8", "--plot", str(plot)]
-    result = subprocess.run(
-        [*PYTHON, str(EXAMPLES / "transformer_lm.py"), *args],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-        env=env,
-    )
+    result = run_example("transformer_lm.py", args, env)
     assert "step 6/6" in result.stderr  # the progress bar
     return result.stdout
 

@@ -25,6 +25,7 @@ FLOAT_DTYPES = [F32, F16, BF16, F64]
         ("  Params = Float32 , COMPUTE=BFloat16 ,output = fp32 ", (F32, BF16, F32)),
         ("compute=half", (F32, BF16, BF16)),  # CPU-only machine: the platform half is bfloat16
         ("p=float64,c=double", (F64, F64, F64)),
+        ("p=f32,c=bf16,r=bf16", (F32, BF16, BF16)),
     ],
 )
 def test_get_policy_parses_jmp_and_torch_spellings(spec: str, expected: tuple[torch.dtype, ...]) -> None:
@@ -38,11 +39,51 @@ def test_half_follows_the_device_type() -> None:
     assert fmp.half_dtype("cuda") == F16 and fmp.half_dtype("cpu") == BF16
 
 
-@given(st.sampled_from(FLOAT_DTYPES), st.sampled_from(FLOAT_DTYPES), st.sampled_from(FLOAT_DTYPES))
-def test_str_round_trips(param: torch.dtype, compute: torch.dtype, output: torch.dtype) -> None:
-    policy = fmp.Policy(param, compute, output)
+@given(
+    st.sampled_from(FLOAT_DTYPES),
+    st.sampled_from(FLOAT_DTYPES),
+    st.sampled_from(FLOAT_DTYPES),
+    st.sampled_from([None, *FLOAT_DTYPES]),
+)
+def test_str_round_trips(
+    param: torch.dtype, compute: torch.dtype, output: torch.dtype, reduce: torch.dtype | None
+) -> None:
+    policy = fmp.Policy(param, compute, output, reduce)
     assert fmp.get_policy(str(policy)) == policy
     assert hash(fmp.get_policy(str(policy))) == hash(policy)
+    assert ("reduce=" in str(policy)) == (reduce is not None)
+
+
+@pytest.mark.parametrize(
+    ("spec", "reduce", "effective"),
+    [
+        ("p=f32,c=bf16", None, F32),
+        ("bf16", None, BF16),
+        ("p=f32,c=bf16,r=bf16", BF16, BF16),
+        ("params=float32,compute=float16,output=float32,reduce=float16", F16, F16),
+        ("p=f64, Reduce = fp32", F32, F32),
+    ],
+)
+def test_reduce_dtype_defaults_to_param_dtype(spec: str, reduce: torch.dtype | None, effective: torch.dtype) -> None:
+    policy = fmp.get_policy(spec)
+    assert policy.reduce_dtype == reduce
+    assert policy.effective_reduce_dtype == effective
+
+
+def test_reduce_dtype_follows_params_until_set() -> None:
+    policy = fmp.get_policy("c=bf16")
+    assert policy.with_param_dtype(F64).effective_reduce_dtype == F64
+    pinned = policy.with_reduce_dtype(BF16)
+    assert pinned.with_param_dtype(F64).effective_reduce_dtype == BF16
+    assert pinned.with_reduce_dtype(None) == policy
+    assert str(policy) == "params=float32,compute=bfloat16,output=bfloat16"
+    assert str(pinned) == "params=float32,compute=bfloat16,output=bfloat16,reduce=bfloat16"
+    # A pinned reduce dtype differs from one that follows params, even where they resolve alike.
+    assert policy.with_reduce_dtype(F32) != policy
+    with pytest.raises(TypeError, match="reduce_dtype must be one of"):
+        fmp.Policy(F32, F32, F32, torch.int32)
+    with pytest.raises(ValueError, match="given twice"):
+        fmp.get_policy("r=f32,reduce=bf16")
 
 
 @pytest.mark.parametrize(
@@ -87,6 +128,7 @@ def test_with_methods_replace_one_dtype() -> None:
     assert policy.with_param_dtype(BF16) == fmp.Policy(BF16, F32, F32)
     assert policy.with_compute_dtype(F16) == fmp.Policy(F32, F16, F32)
     assert policy.with_output_dtype(F64) == fmp.Policy(F32, F32, F64)
+    assert policy.with_reduce_dtype(BF16) == fmp.Policy(F32, F32, F32, BF16)
 
 
 leaves = st.one_of(
