@@ -3,6 +3,7 @@
 from fmp import optim
 from fmp._struct import OPTREE_NAMESPACE
 from fmp.accumulate import GradientAccumulator
+from fmp.autocast import autocast
 from fmp.checkpoint import checkpoint_classes
 from fmp.fused import fused_unscale_and_adjust
 from fmp.fused import unscale_and_adjust
@@ -44,6 +45,7 @@ __all__ = [
     "StepInfo",
     "TrainState",
     "all_finite",
+    "autocast",
     "cast_floating",
     "checkpoint_classes",
     "fused_unscale_and_adjust",

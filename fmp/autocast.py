@@ -1,0 +1,216 @@
+"""Functional autocast: torch.autocast's op-level precision rules as a function transform.
+
+`autocast(fn, dtype)` returns `fn` run under a `TorchFunctionMode` that casts each listed op's
+floating-point inputs by its rule (`fmp.autocast_rules`). A function mode sits above autograd and
+torch.func, so the casts are recorded like any user-written `.to()`: gradients flow back to each
+input in its own dtype, and `torch.func.grad`, `vmap` and `torch.compile(fullgraph=True)` see
+ordinary ops. The mode is entered inside the call and left when it returns or raises.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
+from typing import ParamSpec
+from typing import TypeVar
+
+import torch
+import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
+
+from fmp.autocast_rules import RULE_SETS
+from fmp.autocast_rules import Cast
+from fmp.autocast_rules import RuleSet
+
+__all__ = ["AutocastMode", "autocast", "resolve_rules"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+Override = Cast | torch.dtype | None
+"""An override's value: a Cast, a fixed dtype to cast to, or None to leave the op uncast."""
+Target = torch.dtype | Cast
+"""A resolved rule: the dtype to cast to, or Cast.PROMOTE."""
+
+_LOW_DTYPES = (torch.float16, torch.bfloat16)
+
+_BCE_FLOAT16_ERROR = (
+    "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast to float16: "
+    "their backward can produce gradients float16 cannot represent.\n"
+    "Many models use a sigmoid layer right before the binary cross entropy layer. In this case, combine "
+    "the two layers using torch.nn.functional.binary_cross_entropy_with_logits or torch.nn.BCEWithLogitsLoss. "
+    "binary_cross_entropy_with_logits and BCEWithLogits are safe to autocast.\n"
+    "(fmp: autocast to bfloat16 runs binary_cross_entropy in float32, or override the rule with "
+    "overrides={'binary_cross_entropy': torch.float32}.)"
+)
+
+# Python-level composites that do not redispatch (torch < 2.13 lacks redispatch_function) run
+# with the mode off inside, so their inner ops are not cast.
+_redispatch = getattr(torch.overrides, "redispatch_function", None)
+# Modules of Python composites that redispatch cleanly; Tensor's Python methods (torch._tensor)
+# call the C method of the same name, which would come back here forever.
+_COMPOSITE_MODULES = frozenset({"torch.nn.functional", "torch.functional"})
+
+
+def _op_name(op: Any) -> str:
+    if isinstance(op, str):
+        return op.split("::")[-1].split(".")[0]
+    name = getattr(op, "__name__", None)
+    if not isinstance(name, str):
+        raise TypeError(f"autocast override key {op!r} is neither an op name nor a function with a __name__")
+    # torch.ops.aten.mm.default is named "mm.default"
+    return name.split(".")[0]
+
+
+def resolve_rules(
+    rules: str | RuleSet, dtype: torch.dtype, overrides: Mapping[Any, Override] | None = None
+) -> dict[str, Target]:
+    """Turns a rule set and overrides into the table the mode reads: op name -> dtype or PROMOTE.
+
+    Args:
+        rules: "cuda", "cpu", or a mapping of op name to `Cast`.
+        dtype: The lower dtype, float16 or bfloat16.
+        overrides: Op (a function such as `torch.softmax`, or its name) -> a `Cast`, a dtype to
+            always cast to, or None to leave the op uncast.
+
+    Returns:
+        A dict from op name to the dtype its inputs are cast to, or `Cast.PROMOTE`.
+
+    Raises:
+        ValueError: For an unknown rule-set name.
+        TypeError: For a dtype that is not float16 or bfloat16, or a value that is not a Cast.
+    """
+    if dtype not in _LOW_DTYPES:
+        raise TypeError(f"autocast dtype must be torch.float16 or torch.bfloat16, got {dtype!r}")
+    if isinstance(rules, str):
+        if rules not in RULE_SETS:
+            raise ValueError(f"unknown autocast rule set {rules!r}; accepted: {', '.join(RULE_SETS)} or a mapping")
+        rules = RULE_SETS[rules]
+    merged: dict[str, Override] = dict(rules)
+    for op, value in (overrides or {}).items():
+        merged[_op_name(op)] = value
+    table: dict[str, Target] = {}
+    for name, value in merged.items():
+        if value is None:
+            continue
+        if isinstance(value, torch.dtype):
+            table[name] = value
+        elif value is Cast.LOWER:
+            table[name] = dtype
+        elif value is Cast.FLOAT32:
+            table[name] = torch.float32
+        elif value is Cast.PROMOTE:
+            table[name] = Cast.PROMOTE
+        elif value is Cast.FLOAT32_UNLESS_FLOAT16:
+            table[name] = Cast.FLOAT32_UNLESS_FLOAT16 if dtype == torch.float16 else torch.float32
+        else:
+            raise TypeError(f"autocast rule for {name!r} must be a Cast, a torch.dtype or None, got {value!r}")
+    return table
+
+
+def _eligible(x: Any) -> bool:
+    # torch.autocast's rule: floating tensors other than float64 are cast; all else is left alone.
+    return isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64
+
+
+def _cast_to(tree: Any, dtype: torch.dtype) -> Any:
+    return pytree.tree_map(lambda x: x.to(dtype) if _eligible(x) and x.dtype != dtype else x, tree)
+
+
+def _widest(tree: Any) -> torch.dtype | None:
+    # Of float16 and bfloat16 neither holds the other: mixed, they promote to float32 as torch does.
+    dtypes: set[torch.dtype] = {x.dtype for x in pytree.tree_leaves(tree) if _eligible(x)}
+    if len(dtypes) <= 1:
+        return None
+    return functools.reduce(torch.promote_types, dtypes)
+
+
+class AutocastMode(TorchFunctionMode):
+    """The function mode behind `autocast`: casts listed ops' inputs by a resolved rule table.
+
+    Args:
+        table: Op name -> target, as `resolve_rules` returns it.
+    """
+
+    def __init__(self, table: Mapping[str, Target]) -> None:
+        super().__init__()
+        self.table = table
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        target = self.table.get(getattr(func, "__name__", ""))
+        if target is None:
+            # Unlisted. A Python composite (F.multi_head_attention_forward) runs its body with the
+            # mode on so its inner ops are cast; a builtin has no inner torch calls. Dynamo (2.13)
+            # rejects the redispatch ("cannot skip two levels"), so compiled, the body runs uncast.
+            if (
+                _redispatch is not None
+                and getattr(func, "__module__", None) in _COMPOSITE_MODULES
+                and not torch.compiler.is_compiling()
+            ):
+                with self:
+                    return _redispatch(func, types, args, kwargs)
+            return func(*args, **kwargs)
+        # out= and an explicit dtype= opt an op out of autocast, as under torch.autocast.
+        if kwargs.get("out") is not None or kwargs.get("dtype") is not None:
+            return func(*args, **kwargs)
+        if any(isinstance(a, torch.dtype) for a in args):
+            return func(*args, **kwargs)
+        if isinstance(target, torch.dtype):
+            args, kwargs = _cast_to((args, kwargs), target)
+            return func(*args, **kwargs)
+        if target is Cast.PROMOTE:
+            widest = _widest((args, kwargs))
+            if widest is not None:
+                args, kwargs = _cast_to((args, kwargs), widest)
+            return func(*args, **kwargs)
+        raise RuntimeError(_BCE_FLOAT16_ERROR)  # Cast.FLOAT32_UNLESS_FLOAT16 under float16
+
+
+def autocast(
+    fn: Callable[P, R],
+    dtype: torch.dtype,
+    *,
+    rules: str | RuleSet = "cuda",
+    overrides: Mapping[Any, Override] | None = None,
+) -> Callable[P, R]:
+    """Returns `fn` run with torch.autocast's per-op casting, as a pure function transform.
+
+    Listed ops cast their floating-point inputs by rule: matmuls, convolutions and linear layers
+    to `dtype`; softmax, norms, losses, exp/log/pow and reductions to float32; "promote" ops
+    (cat, addcmul, ...) to the widest dtype among their inputs. As under torch.autocast, float64
+    and non-floating tensors are never cast, in-place ops and calls with `out=` or an explicit
+    `dtype=` are not cast, and every other op runs in the dtypes of its inputs.
+
+    The default "cuda" rules are torch's CUDA lists on every device: on CPU they keep softmax
+    and layer_norm in float32 where torch.autocast("cpu") runs them in bfloat16. "cpu" gives
+    torch's CPU lists, for parity with torch.autocast("cpu"). Nothing outlives the call: the
+    casting is active only while `fn` runs, and nesting an inner autocast overrides the outer one.
+
+    Args:
+        fn: The function to transform.
+        dtype: The lower dtype: torch.float16 or torch.bfloat16.
+        rules: "cuda", "cpu", or a mapping of op name to `fmp.autocast_rules.Cast`.
+        overrides: Per-op changes on top of `rules`: op (a function such as `torch.softmax`, or its
+            name, e.g. "layer_norm") -> a `Cast`, a dtype to always cast to, or None for no cast.
+
+    Returns:
+        A function with `fn`'s signature.
+
+    Raises:
+        TypeError, ValueError: For a bad dtype, rule set or override, when `autocast` is called
+            (not when the returned function is), so a typo fails before any compute.
+        RuntimeError: From the returned function, for `binary_cross_entropy` under float16.
+    """
+    table = resolve_rules(rules, dtype, overrides)
+
+    @functools.wraps(fn)
+    def autocast_fn(*args: P.args, **kwargs: P.kwargs) -> R:
+        with AutocastMode(table):
+            return fn(*args, **kwargs)
+
+    return autocast_fn

@@ -1,0 +1,99 @@
+"""Autocast rule sets as plain data: which ops run in the lower dtype, in float32, or promoted.
+
+Each rule set maps an op name to a `Cast`. Names are torch's op names as `__name__` gives them
+(`torch.mm`, `Tensor.mm` and `torch.ops.aten.mm` are all "mm"; `F.layer_norm` and
+`torch.layer_norm` are "layer_norm"; `torch.linalg.inv` is "linalg_inv"; `Tensor.__matmul__` is
+"__matmul__"). An op not in a rule set runs in the dtypes of its inputs. In-place variants
+("addmm_") are never in a rule set, so they are never cast, as under torch.autocast.
+
+The lists are the op reference of the torch.amp documentation (`torch.autocast`'s "CUDA Ops that
+can autocast to float16 / float32 / promote" and "CPU Ops that can autocast to bfloat16 / float32 /
+promote"), with the docs' spellings mapped to op names: "GRUCell" is "gru_cell", "multi_dot" is
+"linalg_multi_dot" and so on. Build your own by copying one: `{**CUDA, "softmax": Cast.LOWER}`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from types import MappingProxyType
+
+__all__ = ["CPU", "CUDA", "RULE_SETS", "Cast", "RuleSet"]
+
+
+class Cast(enum.Enum):
+    """What autocast does with an op's floating-point inputs (float64 ones are never touched)."""
+
+    LOWER = "lower"
+    """Cast to the autocast dtype (float16 or bfloat16): matmuls, convolutions, linear layers."""
+    FLOAT32 = "float32"
+    """Cast to float32: numerically fragile ops (softmax, norms, losses, exp/log/pow, reductions)."""
+    PROMOTE = "promote"
+    """Cast every input to the widest floating dtype among them (float32 if any input is float32)."""
+    FLOAT32_UNLESS_FLOAT16 = "float32_unless_float16"
+    """Raise under float16, run in float32 otherwise: `binary_cross_entropy`, whose backward can
+    produce gradients float16 cannot hold (torch.autocast on CUDA raises for every dtype)."""
+
+
+RuleSet = Mapping[str, Cast]
+"""A rule set: op name -> Cast."""
+
+_L, _F, _P = Cast.LOWER, Cast.FLOAT32, Cast.PROMOTE
+
+
+def _rules(lower: str, float32: str, promote: str, **extra: Cast) -> RuleSet:
+    table = {name: _L for name in lower.split()}
+    table |= {name: _F for name in float32.split()}
+    table |= {name: _P for name in promote.split()}
+    return MappingProxyType(table | extra)
+
+
+# The CUDA lists (float16 and bfloat16 share them). "cuda" is fmp's default on every device,
+# CPU included, where torch.autocast("cpu") would run softmax and layer_norm in bfloat16.
+CUDA: RuleSet = _rules(
+    lower="""
+        __matmul__ __rmatmul__ addbmm addmm addmv addr baddbmm bmm chain_matmul linalg_multi_dot
+        conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d
+        gru_cell linear lstm_cell matmul mm mv prelu rnn_relu_cell rnn_tanh_cell
+    """,
+    float32="""
+        __pow__ __rdiv__ __rpow__ __rtruediv__ acos asin binary_cross_entropy_with_logits cosh
+        cosine_embedding_loss cdist cosine_similarity cross_entropy cumprod cumsum dist erfinv exp expm1
+        group_norm hinge_embedding_loss kl_div l1_loss layer_norm log log_softmax log10 log1p log2
+        margin_ranking_loss mse_loss multilabel_margin_loss multi_margin_loss nll_loss norm normalize pdist
+        poisson_nll_loss pow prod reciprocal rsqrt sinh smooth_l1_loss soft_margin_loss softmax softmin
+        softplus sum renorm tan triplet_margin_loss
+    """,
+    promote="addcdiv addcmul atan2 bilinear cross dot grid_sample index_put scatter_add tensordot",
+    binary_cross_entropy=Cast.FLOAT32_UNLESS_FLOAT16,
+)
+
+# torch's CPU lists (bfloat16 and float16 share them), including the ops registered for the
+# AutocastCPU dispatch key that the docs leave out (`_addmm_activation`, `smooth_l1_loss`).
+CPU: RuleSet = _rules(
+    lower="""
+        conv1d conv2d conv3d bmm mm linalg_vecdot baddbmm addmm addbmm linear matmul _convolution conv_tbc
+        mkldnn_rnn_layer conv_transpose1d conv_transpose2d conv_transpose3d prelu scaled_dot_product_attention
+        _native_multi_head_attention _addmm_activation __matmul__ __rmatmul__
+    """,
+    float32="""
+        avg_pool3d binary_cross_entropy grid_sampler grid_sampler_2d _grid_sampler_2d_cpu_fallback
+        grid_sampler_3d polar prod quantile nanquantile stft cdist trace view_as_complex cholesky
+        cholesky_inverse cholesky_solve inverse lu_solve orgqr ormqr pinverse max_pool3d max_unpool2d
+        max_unpool3d adaptive_avg_pool3d reflection_pad1d reflection_pad2d replication_pad1d
+        replication_pad2d replication_pad3d mse_loss cosine_embedding_loss nll_loss nll_loss2d
+        hinge_embedding_loss poisson_nll_loss cross_entropy_loss cross_entropy l1_loss huber_loss
+        margin_ranking_loss soft_margin_loss triplet_margin_loss multi_margin_loss ctc_loss kl_div
+        multilabel_margin_loss binary_cross_entropy_with_logits fft_fft fft_ifft fft_fft2 fft_ifft2 fft_fftn
+        fft_ifftn fft_rfft fft_irfft fft_rfft2 fft_irfft2 fft_rfftn fft_irfftn fft_hfft fft_ihfft linalg_cond
+        linalg_matrix_rank linalg_solve linalg_cholesky linalg_svdvals linalg_eigvals linalg_eigvalsh
+        linalg_inv linalg_householder_product linalg_tensorinv linalg_tensorsolve
+        fake_quantize_per_tensor_affine geqrf _lu_with_info qr svd triangular_solve fractional_max_pool2d
+        fractional_max_pool3d adaptive_max_pool3d multilabel_margin_loss_forward linalg_qr
+        linalg_cholesky_ex linalg_svd linalg_eig linalg_eigh linalg_lstsq linalg_inv_ex smooth_l1_loss
+    """,
+    promote="cat stack index_copy",
+)
+
+RULE_SETS: Mapping[str, RuleSet] = MappingProxyType({"cuda": CUDA, "cpu": CPU})
+"""The named rule sets `fmp.autocast(..., rules=name)` accepts."""

@@ -1,0 +1,392 @@
+"""fmp.autocast: parity with torch.autocast's CPU lists, the CUDA lists on CPU, semantics, transforms."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from collections.abc import Iterator
+from typing import Any
+
+import hypothesis
+import hypothesis.strategies as st
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from conftest import TOLERANCES
+from torch import nn
+
+from fmp.autocast import autocast
+from fmp.autocast import resolve_rules
+from fmp.autocast_rules import CPU
+from fmp.autocast_rules import CUDA
+from fmp.autocast_rules import Cast
+
+LOW = [torch.bfloat16, torch.float16]
+
+# Registered for AutocastCPU but internal: reached through the public ops sampled here
+# (conv*, multi_head_attention, rnn layers, multilabel_margin_loss), or needing inputs this
+# file does not build (ctc_loss).
+UNSAMPLED = {"_convolution", "_native_multi_head_attention", "mkldnn_rnn_layer", "multilabel_margin_loss_forward"}
+UNSAMPLED |= {"ctc_loss"}
+
+
+def _generic_samples() -> Iterator[tuple[Any, ...]]:
+    """Argument lists tried in turn on an op until one runs (in float32, without autocast)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    a = r(4, 4)
+    m = a @ a.T / 4 + torch.eye(4)  # symmetric positive definite, well conditioned
+    b = torch.stack([m, m + torch.eye(4)])
+    v = torch.rand(4, generator=gen) * 0.8 + 0.1  # in (0, 1): valid probabilities and positive
+    sign = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    x3, x4, x5 = r(1, 2, 8), r(1, 2, 8, 8), r(1, 2, 4, 4, 4)
+    target = torch.tensor([0, 2, 1, 0])
+    yield from [(m,), (m, m), (m, m, m), (b,), (b, b), (b, b, b), (m, b, b), (m, 1), (m, m, sign)]
+    yield from [(v,), (v, v), (v, v, v), (v, v, sign), (r(4, 2),), (r(4, 3).log_softmax(-1), target)]
+    yield (r(4, 3).log_softmax(-1), torch.tensor([[0, 2, -1], [1, -1, -1], [2, -1, -1], [0, 1, -1]]))
+    yield (r(1, 3, 2, 2).log_softmax(1), torch.zeros(1, 2, 2, dtype=torch.long))
+    yield from [(x3, r(2, 2, 3)), (x4, r(2, 2, 3, 3)), (x5, r(2, 2, 3, 3, 3)), (r(8, 1, 2), r(3, 2, 2), r(2))]
+    yield from [(x5, 2), (x3, [1, 1]), (x4, [1, 1, 1, 1]), (x5, [1] * 6)]
+    yield from [(x4, r(1, 4, 4, 2), 0, 0, False), (x5, r(1, 2, 2, 2, 3), 0, 0, False), (x4, r(1, 4, 4, 2))]
+    yield from [(m, 0.1, 0, 0, 255), (m, 0.5), (v, torch.tensor(0.5)), (m, r(4)), ([m, m],), ([m, m], 0)]
+    yield from [(m, 0, target[:2], r(2, 4)), (r(2, 3, 4), r(2, 3, 4), r(2, 3, 4)), (v, m, v), (m, v, v)]
+    yield from [(m, (4,)), (m, 2.0, 0, 1.0)]
+
+
+def _special_samples(name: str) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    m = torch.eye(4) * 2 + 0.1
+    if name == "stft":
+        return (torch.randn(64), 16), {"return_complex": True}
+    if name in {"fractional_max_pool2d", "fractional_max_pool3d"}:
+        x = torch.randn(1, 2, *([8] * (2 if name.endswith("2d") else 3)))
+        return (x, 2), {"output_ratio": (0.5,) * (x.dim() - 2), "_random_samples": torch.full((1, 2, x.dim() - 2), 0.5)}
+    if name in {"max_unpool2d", "max_unpool3d"}:
+        x = torch.randn(1, 2, *([4] * (2 if name.endswith("2d") else 3)))
+        pool = F.max_pool2d if name.endswith("2d") else F.max_pool3d
+        out, indices = pool(x, 2, return_indices=True)
+        return (out, indices, 2), {}
+    if name == "lu_solve":
+        lu, pivots = torch.linalg.lu_factor(m)
+        return (torch.randn(4, 2), lu, pivots), {}
+    if name == "ormqr":
+        a, tau = torch.geqrf(m)
+        return (a, tau, torch.randn(4, 2)), {}
+    return None
+
+
+def _resolve(name: str) -> Callable[..., Any] | None:
+    # torch.nn.functional first: its losses take defaults the aten bindings require.
+    for namespace in (F, torch, torch._C._nn, torch._C._linalg, torch._C._fft, torch.Tensor):
+        op = getattr(namespace, name, None)
+        if callable(op):
+            return op  # type: ignore[no-any-return]
+    return None
+
+
+def _sample(name: str) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]] | None:
+    op = _resolve(name)
+    if op is None:
+        return None
+    special = _special_samples(name)
+    candidates = [special] if special is not None else [(args, {}) for args in _generic_samples()]
+    for args, kwargs in candidates:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                op(*args, **kwargs)
+        except Exception:
+            continue
+        return op, args, kwargs
+    return None
+
+
+def _to(tree: Any, dtype: torch.dtype) -> Any:
+    return pytree.tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree)
+
+
+def _dtypes(tree: Any) -> list[Any]:
+    return [x.dtype if isinstance(x, torch.Tensor) else type(x) for x in pytree.tree_leaves(tree)]
+
+
+def _outcome(fn: Callable[[], Any]) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return _dtypes(fn())
+        except Exception as error:
+            return type(error)
+
+
+def _cpu_registrations() -> set[str]:
+    keys = torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU")
+    return {key.split("::")[-1].split(".")[0] for key in keys}
+
+
+CPU_OPS = sorted(_cpu_registrations())
+
+
+def test_cpu_registrations_are_sampled_and_in_the_cpu_rules() -> None:
+    # Tracks torch: an op newly registered for AutocastCPU fails here until it has a rule and a sample.
+    assert set(CPU_OPS) <= set(CPU), sorted(set(CPU_OPS) - set(CPU))
+    unsampled = {name for name in CPU_OPS if _sample(name) is None}
+    assert unsampled <= UNSAMPLED, sorted(unsampled - UNSAMPLED)
+
+
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_rules_match_torch_autocast_cpu(dtype: torch.dtype, input_dtype: torch.dtype) -> None:
+    checked = 0
+    for name in CPU_OPS:
+        sample = _sample(name)
+        if sample is None:
+            continue
+        op, args, kwargs = sample
+        args, kwargs = _to((args, kwargs), input_dtype)
+
+        def call(op: Callable[..., Any] = op, args: Any = args, kwargs: Any = kwargs) -> Any:
+            return op(*args, **kwargs)
+
+        def under_torch(call: Callable[[], Any] = call) -> Any:
+            with torch.autocast("cpu", dtype):
+                return call()
+
+        expected = _outcome(under_torch)
+        if expected is NotImplementedError or (expected is RuntimeError and input_dtype != torch.float32):
+            continue  # no kernel for this op in this input dtype on CPU
+        assert _outcome(autocast(call, dtype, rules="cpu")) == expected, name
+        checked += 1
+    assert checked >= 60
+
+
+def _cuda_sample(name: str) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
+    aliases = {"gru_cell": "GRUCell", "lstm_cell": "LSTMCell", "rnn_tanh_cell": "RNNCell", "rnn_relu_cell": "RNNCell"}
+    if name in aliases:
+        cell = getattr(nn, aliases[name])(4, 4)
+        return cell, (torch.randn(2, 4),), {}
+    if name in {"__pow__", "__rpow__", "__rdiv__", "__rtruediv__", "__matmul__", "__rmatmul__"}:
+        m = torch.rand(4, 4) + 0.5
+        return getattr(torch.Tensor, name), (m, m), {}
+    if name in {"index_put", "scatter_add"}:
+        index = torch.tensor([0, 2])
+        if name == "index_put":
+            return torch.index_put, (torch.randn(4, 3), (index,), torch.randn(2, 3)), {}
+        return torch.scatter_add, (torch.randn(4, 3), 0, index[:, None].expand(2, 3), torch.randn(2, 3)), {}
+    if name in {"grid_sample", "bilinear", "tensordot", "cross", "dot"}:
+        samples = {
+            "grid_sample": (torch.randn(1, 2, 4, 4), torch.rand(1, 3, 3, 2) * 2 - 1),
+            "bilinear": (torch.randn(2, 3), torch.randn(2, 4), torch.randn(5, 3, 4)),
+            "tensordot": (torch.randn(3, 4), torch.randn(4, 5), 1),
+            "cross": (torch.randn(2, 3), torch.randn(2, 3)),
+            "dot": (torch.randn(4), torch.randn(4)),
+        }
+        return _resolve(name), samples[name], {}  # type: ignore[return-value]
+    sample = _sample(name)
+    assert sample is not None, f"no sample for {name}"
+    return sample
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_cuda_rules_on_cpu_land_where_the_docs_say(dtype: torch.dtype) -> None:
+    for name, cast in CUDA.items():
+        if cast is Cast.FLOAT32_UNLESS_FLOAT16:
+            continue  # tested on its own below
+        op, args, kwargs = _cuda_sample(name)
+        if cast is Cast.PROMOTE:
+            # Only the first floating input in `dtype`, by position (a sample may repeat one tensor).
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            first = next(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.is_floating_point())
+            leaves[first] = leaves[first].to(dtype)
+            mixed = pytree.tree_unflatten(leaves, spec)
+            assert (
+                _outcome(lambda op=op, mixed=mixed: autocast(op, dtype)(*mixed[0], **mixed[1]))[0] == torch.float32
+            ), name
+            low = _to((args, kwargs), dtype)
+            expected = _outcome(lambda op=op, low=low: op(*low[0], **low[1]))  # no autocast: native dtype
+            assert _outcome(lambda op=op, low=low: autocast(op, dtype)(*low[0], **low[1])) == expected, name
+            continue
+        source = torch.float32 if cast is Cast.LOWER else dtype
+        inputs = _to((args, kwargs), source)
+        want = dtype if cast is Cast.LOWER else torch.float32
+        if isinstance(op, nn.Module):
+            params = {k: v.to(source) for k, v in op.named_parameters()}
+            op, inputs = torch.func.functional_call, ((op, params, inputs[0]), {})
+        assert _outcome(lambda op=op, inputs=inputs: autocast(op, dtype)(*inputs[0], **inputs[1]))[0] == want, name
+
+
+def test_seed_lists_are_the_cuda_rules() -> None:
+    lower = {"__matmul__", "addmm", "bmm", "conv2d", "linear", "matmul", "mm", "prelu"}
+    float32 = {"softmax", "log_softmax", "layer_norm", "group_norm", "exp", "log", "pow", "sum", "mse_loss", "norm"}
+    assert {CUDA[name] for name in lower} == {Cast.LOWER}
+    assert {CUDA[name] for name in float32} == {Cast.FLOAT32}
+    assert {name for name, cast in CUDA.items() if cast is Cast.PROMOTE} == {
+        "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid_sample", "index_put", "scatter_add",
+        "tensordot",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_float64_and_integers_are_untouched(dtype: torch.dtype) -> None:
+    x64 = torch.randn(3, 3, dtype=torch.float64)
+    assert autocast(torch.mm, dtype)(x64, x64).dtype == torch.float64
+    assert autocast(torch.softmax, dtype)(x64, -1).dtype == torch.float64
+    ints = torch.arange(9).reshape(3, 3)
+    assert autocast(torch.mm, dtype)(ints, ints).dtype == torch.int64
+    assert autocast(torch.sum, dtype)(ints).dtype == torch.int64
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_in_place_out_and_explicit_dtype_are_not_cast(dtype: torch.dtype) -> None:
+    a = torch.randn(3, 3)
+    out = torch.empty(3, 3)
+    assert autocast(lambda: torch.mm(a, a, out=out), dtype)().dtype == torch.float32
+    assert autocast(lambda: a.clone().addmm_(a, a), dtype)().dtype == torch.float32
+    half = a.to(dtype)
+    assert autocast(lambda: torch.softmax(half, -1, dtype=dtype), dtype)().dtype == dtype
+    assert autocast(lambda: half.sum(dtype=torch.float64), dtype)().dtype == torch.float64
+    # Low-precision outputs stay low: an unlisted op downstream runs in its inputs' dtype.
+    assert autocast(lambda: torch.relu(a @ a) + 1, dtype)().dtype == dtype
+
+
+def test_binary_cross_entropy_float16_raises_helpfully() -> None:
+    p, y = torch.rand(4) * 0.8 + 0.1, torch.rand(4)
+    with pytest.raises(RuntimeError, match="binary_cross_entropy_with_logits"):
+        autocast(F.binary_cross_entropy, torch.float16)(p, y)
+    # bfloat16 has float32's range, so fmp runs it in float32 rather than refusing.
+    assert autocast(F.binary_cross_entropy, torch.bfloat16)(p.bfloat16(), y).dtype == torch.float32
+    assert autocast(nn.BCELoss(), torch.float16, overrides={"binary_cross_entropy": torch.float32})(p, y).ndim == 0
+
+
+def test_overrides_and_custom_rule_sets() -> None:
+    x = torch.randn(4, 4, dtype=torch.bfloat16)
+    assert autocast(torch.softmax, torch.bfloat16, overrides={torch.softmax: None})(x, -1).dtype == torch.bfloat16
+    assert autocast(torch.mm, torch.bfloat16, overrides={"mm": torch.float32})(x, x).dtype == torch.float32
+    rules = {**CUDA, "softmax": Cast.LOWER}
+    assert autocast(torch.softmax, torch.float16, rules=rules)(x.float(), -1).dtype == torch.float16
+    with pytest.raises(ValueError, match="unknown autocast rule set 'tpu'"):
+        autocast(torch.mm, torch.bfloat16, rules="tpu")
+    with pytest.raises(TypeError, match=r"must be torch\.float16 or torch\.bfloat16"):
+        autocast(torch.mm, torch.float32)
+    with pytest.raises(TypeError, match="rule for 'mm' must be a Cast"):
+        resolve_rules("cuda", torch.bfloat16, {"mm": "low"})  # type: ignore[dict-item]
+
+
+def test_cuda_rules_differ_from_torch_cpu_on_softmax_and_layer_norm() -> None:
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    with torch.autocast("cpu", torch.bfloat16):
+        assert F.layer_norm(x, (8,)).dtype == torch.bfloat16
+    assert autocast(F.layer_norm, torch.bfloat16)(x, (8,)).dtype == torch.float32
+    assert autocast(F.softmax, torch.bfloat16)(x, -1).dtype == torch.float32
+    assert autocast(F.softmax, torch.bfloat16, rules="cpu")(x, -1).dtype == torch.bfloat16
+
+
+def test_no_state_leaks_and_composites_are_cast_inside() -> None:
+    def boom(x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("inside")
+
+    with pytest.raises(ValueError, match="inside"):
+        autocast(boom, torch.bfloat16)(torch.ones(1))
+    a = torch.randn(2, 2)
+    assert (a @ a).dtype == torch.float32
+    # F.multi_head_attention_forward is a Python composite not in the rules: its linears are cast.
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    q = torch.randn(2, 3, 8)
+    out = autocast(lambda q: mha(q, q, q, need_weights=False)[0], torch.bfloat16)(q)
+    assert out.dtype == torch.bfloat16
+
+
+_FLOATS = st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64])
+
+
+@hypothesis.given(a=_FLOATS, b=_FLOATS, c=_FLOATS, dtype=st.sampled_from(LOW))
+def test_promote_ops_widen_like_torch_type_promotion(
+    a: torch.dtype, b: torch.dtype, c: torch.dtype, dtype: torch.dtype
+) -> None:
+    x, y, z = (torch.randn(3, dtype=d) for d in (a, b, c))
+    widest = torch.float64
+    for d in (d for d in (a, b, c) if d != torch.float64):
+        widest = d if widest == torch.float64 else torch.promote_types(widest, d)
+    out = autocast(torch.addcmul, dtype)(x, y, z)
+    # After the cast every eligible input is `widest`; float64 inputs then promote natively.
+    assert out.dtype == (torch.float64 if torch.float64 in (a, b, c) else widest)
+    assert autocast(torch.cat, dtype, rules="cpu")([x, y, z]).dtype == torch.promote_types(
+        torch.promote_types(x.dtype, y.dtype), z.dtype
+    )
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.attn = nn.Linear(width, 3 * width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.attn(self.norm(x)).chunk(3, dim=-1)
+        scores = (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).softmax(-1)
+        x = x + scores @ v
+        return x + self.mlp(self.norm(x))
+
+
+def _block_loss(model: nn.Module) -> Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]:
+    def loss(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        out = torch.func.functional_call(model, params, (x,))
+        return F.log_softmax(out, -1).mean() ** 2
+
+    return loss
+
+
+def _block() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = Block()
+    return model, {k: v.detach() for k, v in model.named_parameters()}
+
+
+def test_vmap_over_grad_with_layer_norm_in_bfloat16() -> None:
+    # pytorch issue 184890: torch.autocast fails here ("expected scalar type BFloat16 but found Float").
+    model, params = _block()
+    xs = torch.randn(3, 4, 16, dtype=torch.bfloat16)
+    loss = _block_loss(model)
+    grads = torch.func.vmap(torch.func.grad(autocast(loss, torch.bfloat16)), in_dims=(None, 0))(params, xs)
+    for name, g in grads.items():
+        assert g.shape == (3, *params[name].shape) and g.dtype == torch.float32
+        assert torch.isfinite(g).all()
+    one = torch.func.grad(autocast(loss, torch.bfloat16))(params, xs[1])
+    # Batched and unbatched bfloat16 matmuls round differently.
+    pytree.tree_map(lambda g, h: torch.testing.assert_close(g[1], h, **TOLERANCES[torch.bfloat16]), grads, one)
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_block_loss_and_grads_near_float32_and_nearer_than_casting_all(dtype: torch.dtype) -> None:
+    model, params = _block()
+    x = torch.randn(8, 16)
+    loss = _block_loss(model)
+    ref_loss, ref_grads = torch.func.grad_and_value(loss)(params, x)[::-1]
+    ac_grads, ac_loss = torch.func.grad_and_value(autocast(loss, dtype))(params, x)
+    half = {k: v.to(dtype) for k, v in params.items()}
+    all_grads, all_loss = torch.func.grad_and_value(loss)(half, x.to(dtype))
+
+    def error(grads: dict[str, torch.Tensor], value: torch.Tensor) -> float:
+        grad_err = max(float((grads[k].float() - g).abs().max() / g.abs().max()) for k, g in ref_grads.items())
+        return max(grad_err, float((value.float() - ref_loss).abs() / ref_loss.abs()))
+
+    assert ac_loss.dtype == torch.float32
+    assert error(ac_grads, ac_loss) < (0.05 if dtype == torch.bfloat16 else 0.01)
+    assert error(ac_grads, ac_loss) < error(all_grads, all_loss)
+
+
+@pytest.mark.compiled
+def test_compiled_fullgraph_grad_compiles_once() -> None:
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model, params = _block()
+    backend = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(torch.func.grad(autocast(_block_loss(model), torch.bfloat16)), fullgraph=True, backend=backend)
+    eager = torch.func.grad(autocast(_block_loss(model), torch.bfloat16))
+    for seed in range(2):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(seed))
+        pytree.tree_map(torch.testing.assert_close, step(params, x), eager(params, x))
+    assert backend.frame_count == 1
