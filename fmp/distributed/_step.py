@@ -1,0 +1,149 @@
+"""The data-parallel training step, and the loss-scale update for sharded gradients (FSDP2)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+from typing import TypeVar
+from typing import cast
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from fmp.distributed._reduce import Collectives
+from fmp.distributed._reduce import agree_finite
+from fmp.distributed._reduce import all_reduce_gradients
+from fmp.grad import LossFn
+from fmp.grad import ScalerTree
+from fmp.loss_scale import LossScale
+from fmp.loss_scale import NoOpLossScale
+from fmp.loss_scale import check_scaler
+from fmp.optim._base import Optimizer
+from fmp.policy import Policy
+from fmp.state import TrainState
+from fmp.step import StepInfo
+from fmp.step import train_step as local_train_step
+from fmp.tree import all_finite
+from fmp.tree import tree_device
+
+__all__ = ["train_step", "unscale_and_adjust"]
+
+ScaleT = TypeVar("ScaleT", bound=LossScale)
+Tree = TypeVar("Tree")
+
+
+def _wire_scale(scaler: ScalerTree) -> torch.Tensor | None:
+    """The scale 16-bit buffers travel in: the smallest of the scalers' (safe for every loss), None without one."""
+    scalers = scaler if isinstance(scaler, tuple) else (scaler,)
+    scales = [s.loss_scale for s in scalers if not isinstance(s, NoOpLossScale)]
+    if not scales:
+        return None
+    smallest = scales[0] if len(scales) == 1 else torch.stack(scales).amin()
+    # A NoOpLossScale's loss is not scaled: its gradients must fit at scale 1.
+    return smallest.clamp(max=1.0) if len(scales) < len(scalers) else smallest
+
+
+def train_step(
+    loss_fn: LossFn,
+    state: TrainState,
+    *args: Any,
+    policy: Policy,
+    optimizer: Optimizer,
+    has_aux: bool = False,
+    donate: bool = False,
+    group: dist.ProcessGroup | None = None,
+    bucket_cap_mb: float = 25.0,
+    collectives: Collectives = "functional",
+) -> tuple[TrainState, StepInfo]:
+    """`fmp.train_step` across data-parallel ranks: gradients averaged, one skip decision for all.
+
+    Each rank passes its own batch; the gradients are averaged over `group` in the policy's reduce
+    dtype (`all_reduce_gradients`), so every rank applies the same update, skips the same steps and
+    moves its scale identically: their states stay bit-identical if they start so (see
+    `broadcast_tree`). With equal per-rank batches and a mean loss, the step equals one process's
+    step on the concatenated batch, up to rounding. `info.loss` and `info.aux` are this rank's own. Every rank must
+    call it the same number of times; under `torch.compile(fullgraph=True)` the collectives are
+    traced into the graph. With gradient accumulation, each micro-batch is reduced.
+
+    Note:
+        No host sync: the all-reduce's result stays on the device. A rank that dies or stalls
+        makes the others fail after the process group's timeout (`init_process_group(timeout=...)`).
+
+    Args:
+        loss_fn: As `fmp.train_step`.
+        state: The training state, the same on every rank.
+        *args: This rank's batch (further arguments of `loss_fn`).
+        policy: The precision policy; `policy.effective_reduce_dtype` is the reduce dtype.
+        optimizer: A pure optimizer.
+        has_aux: Whether `loss_fn` returns `(loss, aux)`.
+        donate: As `fmp.train_step`.
+        group: The data-parallel process group; None for the default group.
+        bucket_cap_mb: The most MiB one all-reduce carries (see `all_reduce_gradients`).
+        collectives: "functional" (compilable) or "eager" (see `all_reduce_gradients`).
+
+    Returns:
+        `(new_state, info)`, as `fmp.train_step`.
+
+    Raises:
+        RuntimeError: If no process group is initialized.
+        CollectiveError: Eager, if the all-reduce fails; and as `fmp.train_step` and `all_reduce_gradients`.
+    """
+    if not isinstance(state, TrainState):
+        raise TypeError(f"state must be an fmp.TrainState (TrainState.create(...)), got {type(state).__name__}")
+    reduce = functools.partial(
+        all_reduce_gradients,
+        policy=policy,
+        group=group,
+        loss_scale=_wire_scale(state.scaler),
+        bucket_cap_mb=bucket_cap_mb,
+        collectives=collectives,
+    )
+    return local_train_step(
+        loss_fn, state, *args, policy=policy, optimizer=optimizer, has_aux=has_aux, donate=donate, reduce_grads=reduce
+    )
+
+
+def _check_local(grads: Any) -> None:
+    # A DTensor's own ops would run collectives behind our back (aminmax of a shard is Partial).
+    for path, leaf in pytree.tree_flatten_with_path(grads)[0]:
+        if type(leaf).__name__ == "DTensor":
+            raise TypeError(
+                f"grads{pytree.keystr(path)} is a DTensor; pass the local shards, e.g. "
+                f"{{n: p.grad.to_local() for n, p in model.named_parameters()}}"
+            )
+
+
+def unscale_and_adjust(
+    scaler: ScaleT, scaled_grads: Tree, *, group: dist.ProcessGroup | None = None
+) -> tuple[Tree, torch.Tensor, ScaleT]:
+    """`fmp.unscale_and_adjust` for gradients sharded across ranks (FSDP2): the finite flag is agreed.
+
+    Each rank unscales and checks its own shards; the flags are ANDed over `group`
+    (`agree_finite`), so an overflow in any rank's shard skips the step and backs the scale off
+    on every rank, as torch's ShardedGradScaler does, without its `.item()`.
+
+    Note:
+        No host sync; one all-reduce of one byte.
+
+    Args:
+        scaler: The loss-scale state the gradients were computed with, the same on every rank.
+        scaled_grads: This rank's gradients of the scaled loss: plain tensors (`p.grad.to_local()`).
+        group: The process group the gradients are sharded over; None for the default group.
+
+    Returns:
+        `(grads, grads_finite, new_scaler)`: this rank's unscaled gradients, the flag of all ranks'
+        gradients, and the adjusted scaler (identical on every rank).
+
+    Raises:
+        TypeError: If `scaler` is not an fmp loss-scale state or a gradient is a DTensor.
+        RuntimeError, ValueError: As `agree_finite`.
+    """
+    check_scaler(scaler)
+    _check_local(scaled_grads)
+    grads = scaler.unscale(scaled_grads)
+    local = all_finite(grads)
+    # A rank with empty shards still votes, from the device its collectives run on.
+    device = tree_device(scaled_grads) or tree_device(scaler)
+    grads_finite = agree_finite(local if device is None else local.to(device), group=group)
+    return grads, grads_finite, cast(ScaleT, scaler.adjust(grads_finite))
