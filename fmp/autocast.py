@@ -5,13 +5,19 @@ floating-point inputs by its rule (`fmp.autocast_rules`). A function mode sits a
 torch.func, so the casts are recorded like any user-written `.to()`: gradients flow back to each
 input in its own dtype, and `torch.func.grad`, `vmap` and `torch.compile(fullgraph=True)` see
 ordinary ops. The mode is entered inside the call and left when it returns or raises.
+
+Regions nest, and the innermost wins: every fmp mode entered through `AutocastMode.run` is kept on
+a per-thread stack, and a mode that is not the innermost one passes its calls through, so an inner
+`autocast`, `fmp.fixed_dtype` or `fmp.no_autocast` region is never re-cast by an outer one.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from collections.abc import Mapping
+from types import FunctionType
 from typing import Any
 from typing import ParamSpec
 from typing import TypeVar
@@ -52,6 +58,78 @@ _redispatch = getattr(torch.overrides, "redispatch_function", None)
 # Modules of Python composites that redispatch cleanly; Tensor's Python methods (torch._tensor)
 # call the C method of the same name, which would come back here forever.
 _COMPOSITE_MODULES = frozenset({"torch.nn.functional", "torch.functional"})
+
+
+def _plain_copies() -> dict[Any, Callable[..., Any]]:
+    """Plain copies of the composites, which compiled code redispatches to.
+
+    Dynamo sends a redispatched torch function back to the mode ("cannot skip two levels"), but
+    inlines a copy, which is no torch function, and its body's own has_torch_function check takes
+    the skip, so the body runs with the mode on, as in eager.
+    """
+    copies: dict[Any, Callable[..., Any]] = {}
+    for namespace in (torch.nn.functional, torch.functional):
+        for value in vars(namespace).values():
+            if isinstance(value, FunctionType) and value.__module__ in _COMPOSITE_MODULES:
+                code, name = value.__code__, value.__name__
+                copy = FunctionType(code, value.__globals__, name, value.__defaults__, value.__closure__)
+                copy.__kwdefaults__ = value.__kwdefaults__
+                copies[value] = copy
+    return copies
+
+
+_PLAIN_COPIES = _plain_copies()
+
+
+def _call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    # Compiled, a Python Tensor method called as a function (Tensor.unflatten) is inlined and
+    # fails on its super() call; called as a method, Dynamo puts it in the graph.
+    name = getattr(func, "__name__", "")
+    if (
+        torch.compiler.is_compiling()
+        and args
+        and isinstance(args[0], torch.Tensor)
+        and getattr(func, "__module__", None) == "torch._tensor"
+        and getattr(torch.Tensor, name, None) is func
+    ):
+        return getattr(args[0], name)(*args[1:], **kwargs)
+    return func(*args, **kwargs)
+
+
+class _Local(threading.local):
+    # Set up in each thread on first touch, so compiled code sees the list from its first trace on
+    # (a lazily added attribute would fail a guard and recompile once).
+    def __init__(self) -> None:
+        self.modes: list[AutocastMode] = []
+
+
+# The fmp modes active on this thread, innermost last (torch's own mode stack is per-thread too).
+_LOCAL = _Local()
+
+
+def _active_modes() -> list[AutocastMode]:
+    return _LOCAL.modes
+
+
+def _einsum_contracts(args: tuple[Any, ...]) -> bool:
+    """Whether torch's einsum reaches bmm, the op torch.autocast casts: an index summed over two operands."""
+    equation = args[0] if args else None
+    operands = args[1:] if len(args) != 2 or isinstance(args[1], torch.Tensor) else args[1]
+    if not isinstance(equation, str):
+        return sum(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(args)) > 1  # sublist form: assume so
+    lhs, arrow, rhs = equation.replace(" ", "").partition("->")
+    terms = lhs.split(",")
+    if len(terms) < 2 or len(operands) < 2:
+        return False  # one operand: a sum or trace, no bmm
+    letters = [set(filter(str.isalpha, term)) for term in terms]
+    if not arrow:  # implicit output: the indices that appear once, so the summed ones appear twice
+        rhs = "".join(c for c in lhs if c.isalpha() and lhs.count(c) == 1)
+    summed = set().union(*letters) - set(rhs)
+    return any(sum(c in term for term in letters) > 1 for c in summed)
+
+
+# Ops whose rule applies only when the call takes the path torch.autocast casts inside.
+_CONDITIONS: dict[str, Callable[[tuple[Any, ...]], bool]] = {"einsum": _einsum_contracts}
 
 
 def _op_name(op: Any) -> str:
@@ -130,44 +208,72 @@ def _widest(tree: Any) -> torch.dtype | None:
 class AutocastMode(TorchFunctionMode):
     """The function mode behind `autocast`: casts listed ops' inputs by a resolved rule table.
 
+    Enter it with `run`, which makes it the innermost fmp region on this thread; an empty table is
+    a region with autocast off. A mode entered with a bare `with` is not on fmp's stack, and passes
+    its calls through while another fmp region is active.
+
     Args:
-        table: Op name -> target, as `resolve_rules` returns it.
+        table: Op name -> target, as `resolve_rules` returns it; empty to disable autocast.
     """
 
     def __init__(self, table: Mapping[str, Target]) -> None:
         super().__init__()
         self.table = table
 
+    def run(self, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Calls `fn(*args, **kwargs)` with this mode on, as the innermost fmp region.
+
+        Args:
+            fn: The function to call.
+            *args: Its positional arguments.
+            **kwargs: Its keyword arguments.
+
+        Returns:
+            What `fn` returns. The mode is left when `fn` returns or raises.
+        """
+        stack = _active_modes()
+        stack.append(self)
+        try:
+            with self:
+                return fn(*args, **kwargs)
+        finally:
+            stack.pop()
+
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        target = self.table.get(getattr(func, "__name__", ""))
+        stack = _active_modes()
+        if not self.table or (stack and stack[-1] is not self):
+            # Off, or an outer region reached from an inner one (which has already cast): the
+            # innermost region's rules are the only ones applied.
+            return _call(func, args, kwargs)
+        name = getattr(func, "__name__", "")
+        target = self.table.get(name)
+        if target is not None and name in _CONDITIONS and not _CONDITIONS[name](args):
+            return _call(func, args, kwargs)
         if target is None:
             # Unlisted. A Python composite (F.multi_head_attention_forward) runs its body with the
-            # mode on so its inner ops are cast; a builtin has no inner torch calls. Dynamo (2.13)
-            # rejects the redispatch ("cannot skip two levels"), so compiled, the body runs uncast.
-            if (
-                _redispatch is not None
-                and getattr(func, "__module__", None) in _COMPOSITE_MODULES
-                and not torch.compiler.is_compiling()
-            ):
-                with self:
-                    return _redispatch(func, types, args, kwargs)
-            return func(*args, **kwargs)
+            # mode on so its inner ops are cast; a builtin has no inner torch calls.
+            if _redispatch is not None and getattr(func, "__module__", None) in _COMPOSITE_MODULES:
+                body = _PLAIN_COPIES.get(func) if torch.compiler.is_compiling() else func
+                if body is not None:
+                    with self:
+                        return _redispatch(body, types, args, kwargs)
+            return _call(func, args, kwargs)
         # out= and an explicit dtype= opt an op out of autocast, as under torch.autocast.
         if kwargs.get("out") is not None or kwargs.get("dtype") is not None:
-            return func(*args, **kwargs)
+            return _call(func, args, kwargs)
         if any(isinstance(a, torch.dtype) for a in args):
-            return func(*args, **kwargs)
+            return _call(func, args, kwargs)
         if isinstance(target, torch.dtype):
             args, kwargs = _cast_to((args, kwargs), target)
-            return func(*args, **kwargs)
+            return _call(func, args, kwargs)
         if target is Cast.PROMOTE:
             widest = _widest((args, kwargs))
             if widest is not None:
                 args, kwargs = _cast_to((args, kwargs), widest)
-            return func(*args, **kwargs)
+            return _call(func, args, kwargs)
         raise RuntimeError(_BCE_FLOAT16_ERROR)  # Cast.FLOAT32_UNLESS_FLOAT16 under float16
 
 
@@ -189,7 +295,7 @@ def autocast(
     The default "cuda" rules are torch's CUDA lists on every device: on CPU they keep softmax
     and layer_norm in float32 where torch.autocast("cpu") runs them in bfloat16. "cpu" gives
     torch's CPU lists, for parity with torch.autocast("cpu"). Nothing outlives the call: the
-    casting is active only while `fn` runs, and nesting an inner autocast overrides the outer one.
+    casting is active only while `fn` runs, and in nested regions the innermost one's rules win.
 
     Args:
         fn: The function to transform.
@@ -210,7 +316,6 @@ def autocast(
 
     @functools.wraps(fn)
     def autocast_fn(*args: P.args, **kwargs: P.kwargs) -> R:
-        with AutocastMode(table):
-            return fn(*args, **kwargs)
+        return AutocastMode(table).run(fn, *args, **kwargs)
 
     return autocast_fn

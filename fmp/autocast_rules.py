@@ -10,6 +10,11 @@ The lists are the op reference of the torch.amp documentation (`torch.autocast`'
 can autocast to float16 / float32 / promote" and "CPU Ops that can autocast to bfloat16 / float32 /
 promote"), with the docs' spellings mapped to op names: "GRUCell" is "gru_cell", "multi_dot" is
 "linalg_multi_dot" and so on. Build your own by copying one: `{**CUDA, "softmax": Cast.LOWER}`.
+
+Each set also lists the unlisted ops that torch splits up in C++ into listed ones (einsum into bmm,
+tensordot into mm, LSTM into mkldnn_rnn_layer or cuDNN's autocast RNN): fmp sees such an op as one
+call, so it casts the whole op where torch.autocast casts its inner matmuls. einsum is cast only
+when torch's would reach bmm (an index summed over two operands); see `_COMPOSITES_*` below.
 """
 
 from __future__ import annotations
@@ -48,6 +53,12 @@ def _rules(lower: str, float32: str, promote: str, **extra: Cast) -> RuleSet:
     return MappingProxyType(table | extra)
 
 
+# C++ composites whose inner matmuls torch.autocast casts (measured on CPU with torch 2.13; on CUDA,
+# tensordot stays a promote op, whose wrapper turns autocast off inside, and GRU goes through cuDNN).
+_COMPOSITES_CUDA = dict.fromkeys(["einsum", "lstm", "gru", "rnn_tanh", "rnn_relu"], _L)
+_COMPOSITES_CPU = dict.fromkeys(["einsum", "tensordot", "inner", "chain_matmul", "linalg_multi_dot", "lstm"], _L)
+_COMPOSITES_CPU |= dict.fromkeys(["rnn_tanh", "rnn_relu", "rnn_tanh_cell", "rnn_relu_cell"], _L)
+
 # The CUDA lists (float16 and bfloat16 share them). "cuda" is fmp's default on every device,
 # CPU included, where torch.autocast("cpu") would run softmax and layer_norm in bfloat16.
 CUDA: RuleSet = _rules(
@@ -66,6 +77,7 @@ CUDA: RuleSet = _rules(
     """,
     promote="addcdiv addcmul atan2 bilinear cross dot grid_sample index_put scatter_add tensordot",
     binary_cross_entropy=Cast.FLOAT32_UNLESS_FLOAT16,
+    **_COMPOSITES_CUDA,
 )
 
 # torch's CPU lists (bfloat16 and float16 share them), including the ops registered for the
@@ -93,6 +105,7 @@ CPU: RuleSet = _rules(
         linalg_cholesky_ex linalg_svd linalg_eig linalg_eigh linalg_lstsq linalg_inv_ex smooth_l1_loss
     """,
     promote="cat stack index_copy",
+    **_COMPOSITES_CPU,
 )
 
 RULE_SETS: Mapping[str, RuleSet] = MappingProxyType({"cuda": CUDA, "cpu": CPU})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from collections.abc import Iterator
@@ -163,10 +164,13 @@ def test_cpu_rules_match_torch_autocast_cpu(dtype: torch.dtype, input_dtype: tor
 
 
 def _cuda_sample(name: str) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
-    aliases = {"gru_cell": "GRUCell", "lstm_cell": "LSTMCell", "rnn_tanh_cell": "RNNCell", "rnn_relu_cell": "RNNCell"}
-    if name in aliases:
-        cell = getattr(nn, aliases[name])(4, 4)
-        return cell, (torch.randn(2, 4),), {}
+    modules = {"gru_cell": nn.GRUCell, "lstm_cell": nn.LSTMCell, "rnn_tanh_cell": nn.RNNCell, "lstm": nn.LSTM}
+    modules |= {"rnn_relu_cell": functools.partial(nn.RNNCell, nonlinearity="relu"), "gru": nn.GRU}
+    modules |= {"rnn_tanh": nn.RNN, "rnn_relu": functools.partial(nn.RNN, nonlinearity="relu")}
+    if name in modules:
+        return modules[name](4, 4), (torch.randn(2, 4),), {}  # a cell's batch, or an unbatched sequence
+    if name == "einsum":
+        return torch.einsum, ("ij,jk->ik", torch.randn(3, 4), torch.randn(4, 5)), {}
     if name in {"__pow__", "__rpow__", "__rdiv__", "__rtruediv__", "__matmul__", "__rmatmul__"}:
         m = torch.rand(4, 4) + 0.5
         return getattr(torch.Tensor, name), (m, m), {}
@@ -389,4 +393,68 @@ def test_compiled_fullgraph_grad_compiles_once() -> None:
     for seed in range(2):
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(seed))
         pytree.tree_map(torch.testing.assert_close, step(params, x), eager(params, x))
+    assert backend.frame_count == 1
+
+
+def _rnn(kind: type[nn.RNNBase], **kwargs: Any) -> Callable[[], Any]:
+    return lambda: kind(4, 5, **kwargs)(torch.randn(3, 2, 4))
+
+
+# Composites torch splits up in C++: torch.autocast casts their inner matmuls, fmp the whole op.
+COMPOSITES: dict[str, Callable[[], Any]] = {
+    "einsum_mm": lambda: torch.einsum("ij,jk->ik", torch.randn(3, 4), torch.randn(4, 5)),
+    "einsum_list_implicit": lambda: torch.einsum("ij,jk", [torch.randn(3, 4), torch.randn(4, 5)]),
+    "einsum_dot": lambda: torch.einsum("i,i->", torch.randn(3), torch.randn(3)),
+    "einsum_ellipsis": lambda: torch.einsum("...ij,jk,kl->...il", *map(torch.randn, [(2, 3, 3), (3, 3), (3, 2)])),
+    "einsum_sum": lambda: torch.einsum("ij->j", torch.randn(3, 3)),  # no bmm: not cast
+    "einsum_outer": lambda: torch.einsum("i,j->ij", torch.randn(3), torch.randn(4)),  # no bmm
+    "einsum_mul": lambda: torch.einsum("ij,ij->ij", torch.randn(3, 3), torch.randn(3, 3)),  # no bmm
+    "tensordot": lambda: torch.tensordot(torch.randn(3, 4), torch.randn(4, 5), 1),
+    "inner": lambda: torch.inner(torch.randn(3, 4), torch.randn(5, 4)),
+    "multi_dot": lambda: torch.linalg.multi_dot([torch.randn(2, 3), torch.randn(3, 4), torch.randn(4, 2)]),
+    "lstm": _rnn(nn.LSTM),
+    "rnn_tanh": _rnn(nn.RNN),
+    "rnn_relu": _rnn(nn.RNN, nonlinearity="relu"),
+    "gru": _rnn(nn.GRU),  # stays float32 on CPU
+    "rnn_cell": lambda: nn.RNNCell(4, 5)(torch.randn(2, 4)),
+    "lstm_cell": lambda: nn.LSTMCell(4, 5)(torch.randn(2, 4)),  # stays float32 on CPU
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", COMPOSITES)
+def test_cpu_rules_match_torch_autocast_cpu_on_composites(name: str) -> None:
+    torch.manual_seed(0)
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = _dtypes(COMPOSITES[name]())
+    torch.manual_seed(0)
+    assert _dtypes(autocast(COMPOSITES[name], torch.bfloat16, rules="cpu")()) == expected
+
+
+def test_cuda_rules_cast_einsum_and_keep_tensordot_a_promote_op() -> None:
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    assert autocast(torch.einsum, torch.float16)("ij,jk->ik", a, b).dtype == torch.float16
+    assert autocast(torch.einsum, torch.float16)("ij,ij->ij", a, a).dtype == torch.float32
+    # On CUDA tensordot's promote wrapper turns autocast off for its inner mm: it stays float32.
+    assert autocast(torch.tensordot, torch.float16)(a, b, 1).dtype == torch.float32
+
+
+@pytest.mark.compiled
+def test_compiled_casts_inside_python_composites_like_eager() -> None:
+    # F.multi_head_attention_forward is a Python composite: compiled, its linears are cast too.
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    params = {k: v.detach() for k, v in mha.named_parameters()}
+
+    def loss(params: dict[str, torch.Tensor], q: torch.Tensor) -> torch.Tensor:
+        out = torch.func.functional_call(mha, params, (q, q, q), {"need_weights": False})[0]
+        return out.float().pow(2).mean()
+
+    backend = CompileCounterWithBackend("aot_eager")
+    eager = torch.func.grad_and_value(autocast(loss, torch.bfloat16))
+    step = torch.compile(eager, fullgraph=True, backend=backend)
+    for seed in range(2):
+        q = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(seed))
+        pytree.tree_map(torch.testing.assert_close, step(params, q), eager(params, q))
     assert backend.frame_count == 1
