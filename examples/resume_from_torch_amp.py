@@ -11,12 +11,12 @@ grow; the scales they print step by step are identical. Then the fmp state goes 
 `torch.save` and `torch.load(weights_only=True)` bit for bit, and back the other way a GradScaler
 loads fmp's scaler state.
 
-The losses and params of the two runs differ slightly: autocast casts op by op (the loss in
-float32, the targets never rounded), fmp's policy casts the whole model and every floating
-argument, targets included, to the compute dtype. So scale trajectories compare exactly and params
-within a loose tolerance. In this model the targets' rounding is the only difference: with
-`--exact-targets` (targets exact in the compute dtype) the two runs agree bit for bit, which also
-shows that the converted optimizer state is exact.
+fmp's policy applies the compute dtype op by op with torch.autocast's rules (`Policy.rules`,
+"cuda" by default: on this model, linear in the compute dtype and mse_loss in float32, as
+autocast("cpu") does), so the two runs agree bit for bit, params and losses included, which also
+shows that the converted optimizer state is exact. With `--rules none` fmp casts the whole model
+and every floating argument (the targets too) to the compute dtype, as jmp does, and the params
+then agree within a loose tolerance.
 
     python examples/resume_from_torch_amp.py [--optimizer sgd --steps-before 8 --steps-after 16]
 """
@@ -56,19 +56,14 @@ def make_torch_optimizer(kind: str, model: nn.Module, lr: float) -> torch.optim.
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
 
 
-def batches(
-    steps: int, batch: int, seed: int, target_dtype: torch.dtype = torch.float32
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The whole run's batches, so both halves of it see the stream an uninterrupted run would.
-
-    The targets are rounded to `target_dtype` (and stored in float32).
-    """
+def batches(steps: int, batch: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The whole run's batches, so both halves of it see the stream an uninterrupted run would."""
     gen = torch.Generator().manual_seed(seed)
     teacher = torch.randn(IN_FEATURES, 1, generator=gen)
     data = []
     for step in range(steps):
         x = torch.randn(batch, IN_FEATURES, generator=gen)
-        y = torch.tanh(x @ teacher).to(target_dtype).float()
+        y = torch.tanh(x @ teacher)
         if step % OVERFLOW_EVERY == OVERFLOW_EVERY - 1:
             x[0, 0] = float("inf")
         data.append((x, y))
@@ -235,13 +230,13 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--tolerance", type=float, default=2e-3, help="the largest param difference accepted")
     parser.add_argument(
-        "--exact-targets",
-        action="store_true",
-        help="round the targets to the compute dtype, so that fmp's cast of them loses nothing: "
-        "the two runs then agree bit for bit",
+        "--rules",
+        choices=["cuda", "cpu", "none"],
+        default="cuda",
+        help="fmp's policy rules: op by op as autocast ('cuda', 'cpu'), or the whole model cast ('none')",
     )
+    parser.add_argument("--tolerance", type=float, default=2e-3, help="the largest param difference with 'none'")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint-dir", type=Path, default=None, help="default: a temporary directory")
@@ -259,11 +254,11 @@ def main() -> None:
 def run(args: argparse.Namespace, checkpoint_dir: Path) -> None:
     device = torch.device(args.device)
     # "half" is bfloat16 on CPU and float16 on CUDA, autocast's defaults there; both runs use it.
-    policy = fmp.get_policy("params=float32,compute=half,output=float32", device_type=device.type)
+    spec = f"params=float32,compute=half,output=float32,rules={args.rules}"
+    policy = fmp.get_policy(spec, device_type=device.type)
     dtype = policy.compute_dtype
-    target_dtype = dtype if args.exact_targets else torch.float32
     steps = args.steps_before + args.steps_after
-    data = [(x.to(device), y.to(device)) for x, y in batches(steps, args.batch, args.seed, target_dtype)]
+    data = [(x.to(device), y.to(device)) for x, y in batches(steps, args.batch, args.seed)]
     torch.manual_seed(args.seed)
     print(f"{args.optimizer}, policy {policy} on {device}; an inf in every {OVERFLOW_EVERY}th batch")
 
@@ -330,12 +325,14 @@ def run(args: argparse.Namespace, checkpoint_dir: Path) -> None:
     torch_params = dict(model.named_parameters())
     difference = max(float((state.params[name] - torch_params[name].detach()).abs().max()) for name in state.params)
     moved = max(float((state.params[name] - checkpoint["model"][name]).abs().max()) for name in state.params)
-    print(f"max |param difference| fmp vs torch.amp: {difference:.3g}, tolerance {args.tolerance:g}")
+    # Op by op, fmp casts as autocast does: bit for bit. Cast whole, the targets are rounded too.
+    tolerance = args.tolerance if policy.rules is None else 0.0
+    print(f"max |param difference| fmp vs torch.amp: {difference:.3g}, tolerance {tolerance:g}")
     dtype_name = str(dtype).removeprefix("torch.")
     why = (
-        "the targets are exact in the compute dtype, so fmp's cast of them loses nothing"
-        if args.exact_targets
-        else f"autocast leaves mse_loss's targets in float32, fmp's policy rounds them to {dtype_name}"
+        f"fmp casts the whole model and the targets to {dtype_name}, autocast op by op"
+        if policy.rules is None
+        else f"fmp's '{policy.rules}' rules cast op by op as autocast does"
     )
     print(f"  (params moved up to {moved:.3g} since the checkpoint; {why})")
 
@@ -356,7 +353,7 @@ def run(args: argparse.Namespace, checkpoint_dir: Path) -> None:
         f"GradScaler loaded from fmp's scaler: scale {back.get_scale():g}, growth tracker {tracker}, "
         f"equal to the torch.amp run's: {same}"
     )
-    if not (identical and difference <= args.tolerance and reloaded and same):
+    if not (identical and difference <= tolerance and reloaded and same):
         raise SystemExit("a claim above does not hold")
 
 

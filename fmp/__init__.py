@@ -4,6 +4,8 @@ from fmp import optim
 from fmp._struct import OPTREE_NAMESPACE
 from fmp.accumulate import GradientAccumulator
 from fmp.autocast import autocast
+from fmp.autocast_regions import fixed_dtype
+from fmp.autocast_regions import no_autocast
 from fmp.checkpoint import checkpoint_classes
 from fmp.fused import fused_unscale_and_adjust
 from fmp.fused import unscale_and_adjust
@@ -13,6 +15,7 @@ from fmp.loss_scale import DynamicLossScale
 from fmp.loss_scale import LossScale
 from fmp.loss_scale import NoOpLossScale
 from fmp.loss_scale import StaticLossScale
+from fmp.module_policy import module_policies
 from fmp.policy import Policy
 from fmp.policy import get_policy
 from fmp.policy import half_dtype
@@ -48,11 +51,14 @@ __all__ = [
     "autocast",
     "cast_floating",
     "checkpoint_classes",
+    "fixed_dtype",
     "fused_unscale_and_adjust",
     "get_policy",
     "half_dtype",
     "mixed_precision_grad",
     "mixed_precision_step",
+    "module_policies",
+    "no_autocast",
     "optim",
     "raise_if_stalled",
     "select_tree",

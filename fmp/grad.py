@@ -11,10 +11,12 @@ import functools
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
+from typing import cast
 
 import torch
 import torch.utils._pytree as pytree
 
+from fmp.autocast import autocast
 from fmp.loss_scale import LossScale
 from fmp.loss_scale import check_scaler
 from fmp.policy import Policy
@@ -139,13 +141,27 @@ def _tree_sum(trees: list[Any]) -> Any:
     return pytree.tree_map(lambda *xs: functools.reduce(torch.add, xs), *trees)
 
 
+def _forward(loss_fn: LossFn, policy: Policy) -> LossFn:
+    """`loss_fn` under the policy's compute dtype: op by op with rules, else with params and args cast whole."""
+    if policy.casts_by_op:
+        return autocast(loss_fn, policy.compute_dtype, rules=cast(str, policy.rules))
+
+    def cast_whole(params: Any, *args: Any) -> Any:
+        return loss_fn(policy.cast_to_compute(params), *policy.cast_to_compute(args))
+
+    return cast_whole
+
+
 def mixed_precision_grad(
     loss_fn: LossFn, params: Any, scaler: ScalerTree, *args: Any, policy: Policy, has_aux: bool = False
 ) -> Gradients:
     """Computes unscaled gradients of `loss_fn` under a precision policy and a loss scale.
 
-    Params and floating-point args are cast to the compute dtype, the loss to the output dtype; the
-    loss is scaled and differentiated with `torch.func`. Gradients come back in the param dtype
+    The loss function runs in the policy's compute dtype: op by op under `fmp.autocast` with the
+    policy's rules (the default for 16-bit compute: matmuls in the compute dtype, softmax, norms
+    and losses in float32, params and args left in their dtypes), or, with `rules=None` or a
+    32/64-bit compute dtype, on params and floating args cast whole to it. The loss is cast to
+    the output dtype, scaled and differentiated with `torch.func`. Gradients come back in the param dtype
     (autograd returns each in its parameter's dtype), are unscaled, and are checked for finiteness
     after unscaling, so a gradient that overflows only when unscaled is caught too.
 
@@ -176,9 +192,10 @@ def mixed_precision_grad(
         raise TypeError(f"policy must be an fmp.Policy (e.g. fmp.get_policy('c=bf16')), got {type(policy).__name__}")
     _check_params(params, policy)
     scalers = scaler if isinstance(scaler, tuple) else (scaler,)
+    forward = _forward(loss_fn, policy)
 
     def scaled_losses_fn(params: Any) -> tuple[tuple[torch.Tensor, ...], tuple[Any, Any]]:
-        out = loss_fn(policy.cast_to_compute(params), *policy.cast_to_compute(args))
+        out = forward(params, *args)
         aux: Any = ()  # no leaves: torch.func's aux must hold tensors only
         if has_aux:
             if not (isinstance(out, tuple) and len(out) == 2):

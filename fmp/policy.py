@@ -1,4 +1,4 @@
-"""Precision policies: which dtype parameters are stored in, computed in, and returned in."""
+"""Precision policies: the dtypes of params, compute, outputs and reductions, and the op-level rules."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import TypeVar
 
 import torch
 
+from fmp.autocast_rules import RULE_SETS
 from fmp.tree import cast_floating
 
 __all__ = ["Policy", "get_policy", "half_dtype"]
@@ -32,6 +33,9 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
 _POLICY_DTYPES = frozenset(_DTYPE_NAMES.values())
 _KEYS = {"params": "param_dtype", "p": "param_dtype", "compute": "compute_dtype", "c": "compute_dtype"}
 _KEYS |= {"output": "output_dtype", "o": "output_dtype", "reduce": "reduce_dtype", "r": "reduce_dtype"}
+
+_LOW_DTYPES = frozenset({torch.float16, torch.bfloat16})
+_DEFAULT_RULES = "cuda"
 
 # Device types whose preferred 16-bit float is bfloat16 (torch.autocast's default there); float16 elsewhere.
 _BFLOAT16_DEVICE_TYPES = frozenset({"cpu", "xla", "xpu", "hpu"})
@@ -88,20 +92,37 @@ class Policy:
         reduce_dtype: The dtype gradients are averaged in across data-parallel ranks
             (`fmp.distributed`, as FSDP's `reduce_dtype`); None, the default, means `param_dtype`,
             and keeps following it through `with_param_dtype`. `effective_reduce_dtype` resolves it.
+        rules: How a 16-bit `compute_dtype` is applied. "cuda" (the default, on every device) or
+            "cpu": op by op, as `torch.autocast` does (`fmp.autocast` with that rule set): params
+            and inputs keep their dtypes and each listed op casts its inputs, matmuls and
+            convolutions to `compute_dtype`, softmax, norms, losses, exp/log/pow and reductions to
+            float32, so `compute=float16` does not mean softmax in float16. None: jmp's
+            semantics, params and floating inputs cast whole to `compute_dtype` before the loss
+            function runs. A float32 or float64 `compute_dtype` casts whole either way.
     """
 
     param_dtype: torch.dtype = torch.float32
     compute_dtype: torch.dtype = torch.float32
     output_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype | None = None
+    rules: str | None = _DEFAULT_RULES
 
     def __post_init__(self) -> None:
+        if self.rules is not None and self.rules not in RULE_SETS:
+            raise ValueError(f"Policy.rules must be one of {sorted(RULE_SETS)} or None, got {self.rules!r}")
         for field in dataclasses.fields(self):
+            if field.name == "rules":
+                continue
             dtype = getattr(self, field.name)
             if dtype is None and field.name == "reduce_dtype":
                 continue
             if dtype not in _POLICY_DTYPES:
                 raise TypeError(f"Policy.{field.name} must be one of {sorted(map(str, _POLICY_DTYPES))}, got {dtype!r}")
+
+    @property
+    def casts_by_op(self) -> bool:
+        """Whether the loss function runs under `fmp.autocast` (rules set and a 16-bit compute dtype)."""
+        return self.rules is not None and self.compute_dtype in _LOW_DTYPES
 
     @property
     def effective_reduce_dtype(self) -> torch.dtype:
@@ -136,6 +157,10 @@ class Policy:
         """Returns a copy of this policy with `reduce_dtype` replaced (None: follow `param_dtype`)."""
         return dataclasses.replace(self, reduce_dtype=dtype)
 
+    def with_rules(self, rules: str | None) -> Policy:
+        """Returns a copy of this policy with `rules` replaced ("cuda", "cpu" or None)."""
+        return dataclasses.replace(self, rules=rules)
+
     def __str__(self) -> str:
         spec = (
             f"params={_dtype_name(self.param_dtype)},"
@@ -143,7 +168,11 @@ class Policy:
             f"output={_dtype_name(self.output_dtype)}"
         )
         # Only a reduce dtype that was set is written, so that a policy following params parses back equal.
-        return spec if self.reduce_dtype is None else f"{spec},reduce={_dtype_name(self.reduce_dtype)}"
+        if self.reduce_dtype is not None:
+            spec += f",reduce={_dtype_name(self.reduce_dtype)}"
+        if self.rules != _DEFAULT_RULES:
+            spec += f",rules={str(self.rules).lower()}"
+        return spec
 
 
 def get_policy(spec: str, *, device_type: str | None = None) -> Policy:
@@ -151,9 +180,10 @@ def get_policy(spec: str, *, device_type: str | None = None) -> Policy:
 
     The grammar is jmp's: comma-separated `key=dtype` pairs with keys `params`/`p`,
     `compute`/`c` and `output`/`o`, plus fmp's `reduce`/`r` (the data-parallel gradient reduction,
-    see `Policy.reduce_dtype`). Unset keys default as: params float32, compute follows params,
-    output follows compute, reduce follows params (None). A bare dtype ("bf16") sets params, compute
-    and output. Dtypes are spelled as in torch or
+    see `Policy.reduce_dtype`) and `rules` ("cuda", "cpu" or "none", see `Policy.rules`). Unset
+    keys default as: params float32, compute follows params, output follows compute, reduce follows
+    params (None), rules "cuda". A bare dtype ("bf16") sets params, compute and output. Dtypes are
+    spelled as in torch or
     jmp (float32, fp32, f32, full, float16, fp16, f16, bfloat16, bf16, float64, f64, ...) and "half"
     is the platform's 16-bit float (see `half_dtype`). Case and whitespace do not matter.
     `get_policy(str(policy)) == policy` for every policy.
@@ -176,17 +206,32 @@ def get_policy(spec: str, *, device_type: str | None = None) -> Policy:
         dtype = _parse_dtype(spec, device_type)
         return Policy(dtype, dtype, dtype)
     chosen: dict[str, torch.dtype] = {}
+    rules: str | None = _DEFAULT_RULES
+    seen: set[str] = set()
     for part in spec.split(","):
         key, sep, value = part.partition("=")
         key = key.strip().lower()
         if not sep or not key or not value.strip():
             raise ValueError(f"malformed policy fragment {part.strip()!r} in {spec!r}; expected key=dtype")
-        if key not in _KEYS:
-            raise ValueError(f"unknown policy key {key!r} in {spec!r}; accepted: {', '.join(_KEYS)}")
-        field = _KEYS[key]
-        if field in chosen:
+        if key not in _KEYS and key != "rules":
+            raise ValueError(f"unknown policy key {key!r} in {spec!r}; accepted: {', '.join([*_KEYS, 'rules'])}")
+        field = _KEYS.get(key, "rules")
+        if field in seen:
             raise ValueError(f"policy key for {field} given twice in {spec!r}")
-        chosen[field] = _parse_dtype(value, device_type)
+        seen.add(field)
+        if field == "rules":
+            rules = _parse_rules(value)
+        else:
+            chosen[field] = _parse_dtype(value, device_type)
     param = chosen.get("param_dtype", torch.float32)
     compute = chosen.get("compute_dtype", param)
-    return Policy(param, compute, chosen.get("output_dtype", compute), chosen.get("reduce_dtype"))
+    return Policy(param, compute, chosen.get("output_dtype", compute), chosen.get("reduce_dtype"), rules)
+
+
+def _parse_rules(value: str) -> str | None:
+    name = value.strip().lower()
+    if name == "none":
+        return None
+    if name not in RULE_SETS:
+        raise ValueError(f"unknown autocast rules {value.strip()!r}; accepted: {', '.join([*RULE_SETS, 'none'])}")
+    return name

@@ -44,14 +44,29 @@ def test_half_follows_the_device_type() -> None:
     st.sampled_from(FLOAT_DTYPES),
     st.sampled_from(FLOAT_DTYPES),
     st.sampled_from([None, *FLOAT_DTYPES]),
+    st.sampled_from(["cuda", "cpu", None]),
 )
 def test_str_round_trips(
-    param: torch.dtype, compute: torch.dtype, output: torch.dtype, reduce: torch.dtype | None
+    param: torch.dtype, compute: torch.dtype, output: torch.dtype, reduce: torch.dtype | None, rules: str | None
 ) -> None:
-    policy = fmp.Policy(param, compute, output, reduce)
+    policy = fmp.Policy(param, compute, output, reduce, rules)
     assert fmp.get_policy(str(policy)) == policy
     assert hash(fmp.get_policy(str(policy))) == hash(policy)
     assert ("reduce=" in str(policy)) == (reduce is not None)
+    assert ("rules=" in str(policy)) == (rules != "cuda")
+    assert policy.casts_by_op == (rules is not None and compute in (torch.float16, torch.bfloat16))
+
+
+def test_rules_parse_and_are_checked() -> None:
+    assert fmp.get_policy("c=f16").rules == "cuda" and fmp.Policy().rules == "cuda"
+    assert fmp.get_policy("c=f16, Rules = CPU").rules == "cpu"
+    assert fmp.get_policy("c=f16,rules=none").with_rules("cuda") == fmp.get_policy("c=f16")
+    with pytest.raises(ValueError, match="unknown autocast rules 'xla'; accepted: cuda, cpu, none"):
+        fmp.get_policy("c=f16,rules=xla")
+    with pytest.raises(ValueError, match=r"Policy\.rules must be one of"):
+        fmp.Policy(rules="CUDA")
+    with pytest.raises(ValueError, match="given twice"):
+        fmp.get_policy("rules=cpu,rules=none")
 
 
 @pytest.mark.parametrize(

@@ -136,7 +136,7 @@ def test_grads_come_back_in_the_param_dtype_and_args_are_cast() -> None:
         seen.update(w=params["w1"].dtype, x=x.dtype, labels=labels.dtype)
         return mlp_loss(params, x, torch.ones(x.shape[0], 1, dtype=x.dtype))
 
-    policy = fmp.get_policy("p=f32,c=bf16,o=f32")
+    policy = fmp.get_policy("p=f32,c=bf16,o=f32,rules=none")  # the whole cast; rules: tests/test_policy_rules.py
     labels = torch.arange(16)
     out = fmp.mixed_precision_grad(loss_fn, mlp_params(), fmp.NoOpLossScale(), batch()[0], labels, policy=policy)
     assert seen == {"w": torch.bfloat16, "x": torch.bfloat16, "labels": torch.int64}

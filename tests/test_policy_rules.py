@@ -1,0 +1,71 @@
+"""Policies carry autocast rules: a 16-bit compute dtype is applied op by op, as torch.autocast does."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_trees_bitwise_equal
+from conftest import mlp_batches
+from conftest import mlp_loss
+from conftest import mlp_params
+
+import fmp
+
+
+def recorded_dtypes(policy: fmp.Policy) -> dict[str, torch.dtype]:
+    seen: dict[str, torch.dtype] = {}
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        seen["param"], seen["input"] = params["w1"].dtype, x.dtype
+        hidden = F.linear(x, params["w1"], params["b1"])
+        probs = torch.softmax(hidden, dim=-1)
+        seen["linear"], seen["softmax"] = hidden.dtype, probs.dtype
+        return F.mse_loss(probs.sum(-1, keepdim=True), y)
+
+    x, y = next(mlp_batches(1, 0))
+    fmp.mixed_precision_grad(loss_fn, mlp_params(), fmp.NoOpLossScale(), x, y, policy=policy)
+    return seen
+
+
+@pytest.mark.parametrize("compute", ["float16", "bfloat16"])
+def test_default_rules_keep_softmax_in_float32_and_params_in_their_dtype(compute: str) -> None:
+    low = getattr(torch, compute)
+    seen = recorded_dtypes(fmp.get_policy(f"params=float32,compute={compute},output=float32"))
+    assert seen == {"param": torch.float32, "input": torch.float32, "linear": low, "softmax": torch.float32}
+
+
+def test_rules_none_casts_the_whole_model_as_jmp() -> None:
+    seen = recorded_dtypes(fmp.get_policy("params=float32,compute=float16,output=float32,rules=none"))
+    assert set(seen.values()) == {torch.float16}
+
+
+def test_float32_compute_casts_nothing_op_by_op() -> None:
+    seen = recorded_dtypes(fmp.get_policy("params=float32,compute=float32,output=float32,rules=cpu"))
+    assert set(seen.values()) == {torch.float32}
+
+
+def test_cpu_rules_train_bit_for_bit_as_torch_amp() -> None:
+    """rules="cpu" is torch.autocast("cpu"): losses, params and scales equal GradScaler's run exactly."""
+    policy = fmp.get_policy("params=float32,compute=bfloat16,output=float32,rules=cpu")
+    optimizer = fmp.optim.sgd(0.05, momentum=0.9)
+    scaler = fmp.DynamicLossScale.create(init_scale=2.0**8, growth_interval=2)
+    state = fmp.TrainState.create(mlp_params(), optimizer, scaler)
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in mlp_params().items()}
+    torch_optimizer = torch.optim.SGD(params.values(), lr=0.05, momentum=0.9)
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    step = functools.partial(fmp.train_step, mlp_loss, policy=policy, optimizer=optimizer)
+    for x, y in mlp_batches(10, 4):
+        state, info = step(state, x, y)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = mlp_loss(params, x, y)
+        grad_scaler.scale(loss).backward()
+        grad_scaler.step(torch_optimizer)
+        grad_scaler.update()
+        torch_optimizer.zero_grad()
+        assert torch.equal(info.loss, loss.detach()) or not bool(info.applied)
+        assert float(state.scaler.loss_scale) == grad_scaler.get_scale()
+    assert int(state.counts.skipped) == 2
+    assert_trees_bitwise_equal(state.params, {k: v.detach() for k, v in params.items()})
