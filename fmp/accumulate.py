@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.utils._pytree as pytree
 
+from fmp._checks import check_int
 from fmp._struct import pytree_dataclass
 from fmp._struct import static_field
 from fmp.grad import ScalerTree
@@ -77,7 +78,11 @@ class GradientAccumulator:
 
         Returns:
             The accumulator, on the parameters' devices.
+
+        Raises:
+            TypeError, ValueError: If `steps` is not an int in [1, 2**31 - 1].
         """
+        check_int("steps", steps, 1, torch.iinfo(torch.int32).max)
         leaves = pytree.tree_leaves(params)
         device = leaves[0].device if leaves else None
         true = torch.ones((), dtype=torch.bool, device=device)

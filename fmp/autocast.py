@@ -162,6 +162,11 @@ def resolve_rules(
     """
     if dtype not in _LOW_DTYPES:
         raise TypeError(f"autocast dtype must be torch.float16 or torch.bfloat16, got {dtype!r}")
+    if not isinstance(rules, str | Mapping):
+        raise TypeError(
+            f"autocast rules must be a rule-set name ({', '.join(RULE_SETS)}) or a mapping of op name to Cast, "
+            f"got {type(rules).__name__}; without rules, call the function as it is"
+        )
     if isinstance(rules, str):
         if rules not in RULE_SETS:
             raise ValueError(f"unknown autocast rule set {rules!r}; accepted: {', '.join(RULE_SETS)} or a mapping")
@@ -248,7 +253,8 @@ class AutocastMode(TorchFunctionMode):
             # Off, or an outer region reached from an inner one (which has already cast): the
             # innermost region's rules are the only ones applied.
             return _call(func, args, kwargs)
-        name = getattr(func, "__name__", "")
+        # An OpOverload (torch.ops.aten.mm.default) is named "mm.default": look up its op's name.
+        name = getattr(func, "__name__", "").split(".")[0]
         target = self.table.get(name)
         if target is not None and name in _CONDITIONS and not _CONDITIONS[name](args):
             return _call(func, args, kwargs)
@@ -288,7 +294,7 @@ def autocast(
 
     Listed ops cast their floating-point inputs by rule: matmuls, convolutions and linear layers
     to `dtype`; softmax, norms, losses, exp/log/pow and reductions to float32; "promote" ops
-    (cat, addcmul, ...) to the widest dtype among their inputs. As under torch.autocast, float64
+    (addcmul, atan2, ...) to the widest dtype among their inputs. As under torch.autocast, float64
     and non-floating tensors are never cast, in-place ops and calls with `out=` or an explicit
     `dtype=` are not cast, and every other op runs in the dtypes of its inputs.
 

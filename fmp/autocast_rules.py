@@ -59,13 +59,19 @@ _COMPOSITES_CUDA = dict.fromkeys(["einsum", "lstm", "gru", "rnn_tanh", "rnn_relu
 _COMPOSITES_CPU = dict.fromkeys(["einsum", "tensordot", "inner", "chain_matmul", "linalg_multi_dot", "lstm"], _L)
 _COMPOSITES_CPU |= dict.fromkeys(["rnn_tanh", "rnn_relu", "rnn_tanh_cell", "rnn_relu_cell"], _L)
 
-# The CUDA lists (float16 and bfloat16 share them). "cuda" is fmp's default on every device,
-# CPU included, where torch.autocast("cpu") would run softmax and layer_norm in bfloat16.
+# The CUDA lists (float16 and bfloat16 share them): the docs' lists plus every op torch registers
+# for the AutocastCUDA dispatch key (rms_norm, logsumexp, the vector norms, the upsample family, ...;
+# tests/test_autocast.py checks them against torch.autocast("cuda") on fake CUDA tensors). "cuda" is
+# fmp's default on every device, CPU included, where torch.autocast("cpu") would run softmax and
+# layer_norm in bfloat16.
 CUDA: RuleSet = _rules(
     lower="""
         __matmul__ __rmatmul__ addbmm addmm addmv addr baddbmm bmm chain_matmul linalg_multi_dot
         conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d
         gru_cell linear lstm_cell matmul mm mv prelu rnn_relu_cell rnn_tanh_cell
+        conv_tbc convolution _convolution cudnn_convolution cudnn_convolution_transpose linalg_vecdot
+        scaled_dot_product_attention _scaled_dot_product_flash_attention _thnn_fused_gru_cell
+        _thnn_fused_lstm_cell
     """,
     float32="""
         __pow__ __rdiv__ __rpow__ __rtruediv__ acos asin binary_cross_entropy_with_logits cosh
@@ -74,8 +80,13 @@ CUDA: RuleSet = _rules(
         margin_ranking_loss mse_loss multilabel_margin_loss multi_margin_loss nll_loss norm normalize pdist
         poisson_nll_loss pow prod reciprocal rsqrt sinh smooth_l1_loss soft_margin_loss softmax softmin
         softplus sum renorm tan triplet_margin_loss
+        rms_norm native_layer_norm logsumexp huber_loss nll_loss2d linalg_vector_norm linalg_matrix_norm
+        frobenius_norm nuclear_norm upsample_nearest1d upsample_nearest2d upsample_nearest3d
+        upsample_linear1d upsample_bilinear2d upsample_bicubic2d upsample_trilinear3d
+        _upsample_nearest_exact1d _upsample_nearest_exact2d _upsample_nearest_exact3d
+        _upsample_bilinear2d_aa _upsample_bicubic2d_aa
     """,
-    promote="addcdiv addcmul atan2 bilinear cross dot grid_sample index_put scatter_add tensordot",
+    promote="addcdiv addcmul atan2 bilinear cross dot vdot grid_sample grid_sampler index_put scatter_add tensordot",
     binary_cross_entropy=Cast.FLOAT32_UNLESS_FLOAT16,
     **_COMPOSITES_CUDA,
 )

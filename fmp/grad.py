@@ -39,7 +39,7 @@ class Gradients(NamedTuple):
         aux: The loss function's auxiliary output; `()` (no leaves, so vmap can return it) unless `has_aux`.
         finite_per_loss: The flag each scaler adjusts by: `grads_finite` for one scaler, and for a
             tuple of scalers a tuple of flags, one per loss, each True when that loss's own
-            unscaled gradients are finite.
+            unscaled gradients, and their sum, are finite.
     """
 
     grads: Any
@@ -168,7 +168,10 @@ def mixed_precision_grad(
     Several losses: with a tuple of scalers, `loss_fn` returns a tuple of as many losses. Each
     loss is differentiated on its own with its own scale (a forward and backward pass each, so an
     overflow in one loss cannot reach another's gradients), its gradients are unscaled and checked
-    alone, and the returned gradients are their sum (the gradient of the summed loss).
+    alone, and the returned gradients are their sum (the gradient of the summed loss). The forward
+    pass runs once per loss, so it must be deterministic: dropout would draw a new mask for each
+    loss, and a train-mode BatchNorm would update its running statistics once per loss. If the
+    sum of finite gradients overflows, every scale backs off.
 
     Args:
         loss_fn: `loss_fn(params, *args) -> loss`, or `-> (loss, aux)` with `has_aux`; loss 0-dim,
@@ -226,6 +229,10 @@ def mixed_precision_grad(
         scaled_grads, (loss, aux) = grad_of_loss(index)
         per_loss.append(s.unscale(scaled_grads))
     grads = _tree_sum(per_loss)
-    finite_per_loss = tuple(all_finite(g) for g in per_loss)
-    # The sum is non-finite whenever a part is, and also when finite parts overflow on adding.
-    return Gradients(grads, all_finite(grads), loss, aux, finite_per_loss)
+    # The sum is non-finite whenever a part is, and also when finite parts overflow on adding;
+    # then no loss is to blame alone and every scale backs off.
+    grads_finite = all_finite(grads)
+    parts_finite = [all_finite(g) for g in per_loss]
+    sum_overflowed = torch.stack(parts_finite).all() & ~grads_finite
+    finite_per_loss = tuple(finite & ~sum_overflowed for finite in parts_finite)
+    return Gradients(grads, grads_finite, loss, aux, finite_per_loss)

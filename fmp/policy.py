@@ -108,8 +108,11 @@ class Policy:
     rules: str | None = _DEFAULT_RULES
 
     def __post_init__(self) -> None:
-        if self.rules is not None and self.rules not in RULE_SETS:
-            raise ValueError(f"Policy.rules must be one of {sorted(RULE_SETS)} or None, got {self.rules!r}")
+        if self.rules is not None and (not isinstance(self.rules, str) or self.rules not in RULE_SETS):
+            raise ValueError(
+                f"Policy.rules must be one of {sorted(RULE_SETS)} or None, got {self.rules!r}; for a rule set of "
+                f"your own, wrap the loss function in fmp.autocast(fn, dtype, rules=...) and use rules=None"
+            )
         for field in dataclasses.fields(self):
             if field.name == "rules":
                 continue

@@ -25,6 +25,7 @@ from fmp.grad import ScalerTree
 from fmp.grad import mixed_precision_grad
 from fmp.loss_scale import DynamicLossScale
 from fmp.loss_scale import LossScale
+from fmp.loss_scale import NoOpLossScale
 from fmp.optim._base import Optimizer
 from fmp.policy import Policy
 from fmp.state import StepCounts
@@ -86,8 +87,13 @@ def _adjust(scaler: ScalerTree, finite_per_loss: Any) -> ScalerTree:
     return scaler.adjust(finite_per_loss)
 
 
-def _loss_scale(scaler: ScalerTree) -> Any:
-    return pytree.tree_map(lambda s: s.loss_scale, scaler, is_leaf=_is_scaler)
+def _loss_scale(scaler: ScalerTree, device: torch.device) -> Any:
+    """The scales for `StepInfo`, on the step's device (a NoOpLossScale holds no tensor to place it)."""
+
+    def scale_of(s: LossScale) -> torch.Tensor:
+        return torch.ones((), device=device) if isinstance(s, NoOpLossScale) else s.loss_scale
+
+    return pytree.tree_map(scale_of, scaler, is_leaf=_is_scaler)
 
 
 def train_step(
@@ -151,6 +157,8 @@ def train_step(
             reports it as `torch._dynamo.exc.Unsupported` carrying this message).
     """
     check_bool("donate", donate)
+    if reduce_grads is not None and not callable(reduce_grads):
+        raise TypeError(f"reduce_grads must be a function of fmp.Gradients, got {type(reduce_grads).__name__}")
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be an fmp.TrainState (TrainState.create(...)), got {type(state).__name__}")
     check_optimizer(optimizer)
@@ -177,7 +185,7 @@ def train_step(
     new_params, new_opt_state = select_tree(applied, updated, (params, opt_state))
     counts = state.counts.advance(stepped, applied, _stalled(scaler, step_per_loss))
     new_state = TrainState(new_params, new_opt_state, new_scaler, counts, accumulator)
-    loss_scale = _loss_scale(scaler)
+    loss_scale = _loss_scale(scaler, grads_finite.device)
     if donate:
         # The donated scalers' buffers receive the new scales.
         loss_scale = pytree.tree_map(torch.clone, loss_scale)
@@ -258,7 +266,7 @@ def raise_if_stalled(state: TrainState, patience: int) -> None:
     if worst < patience:
         return
     where = f" (ensemble members {stalled.ge(patience).nonzero().flatten().tolist()})" if stalled.dim() else ""
-    scales = pytree.tree_map(lambda t: t.tolist(), _loss_scale(state.scaler))
+    scales = pytree.tree_map(lambda t: t.tolist(), _loss_scale(state.scaler, stalled.device))
     raise LossScaleStalledError(
         f"the last {worst} optimizer steps{where} were all skipped: their gradients overflowed with the loss scale "
         f"at its minimum ({scales}), so backing off cannot help. Look for inf or NaN in the inputs, the labels or "

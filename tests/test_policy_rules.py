@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import pytest
 import torch
@@ -65,7 +66,41 @@ def test_cpu_rules_train_bit_for_bit_as_torch_amp() -> None:
         grad_scaler.step(torch_optimizer)
         grad_scaler.update()
         torch_optimizer.zero_grad()
-        assert torch.equal(info.loss, loss.detach()) or not bool(info.applied)
+        torch.testing.assert_close(info.loss, loss.detach(), rtol=0, atol=0, equal_nan=True)
         assert float(state.scaler.loss_scale) == grad_scaler.get_scale()
     assert int(state.counts.skipped) == 2
     assert_trees_bitwise_equal(state.params, {k: v.detach() for k, v in params.items()})
+
+
+def test_a_summed_overflow_backs_every_scale_off() -> None:
+    """Each loss's gradients are finite, their sum is not: no loss is to blame alone."""
+
+    def two_large_losses(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> tuple[Any, Any]:
+        return 2e38 * params["w1"].sum(), 2e38 * params["w1"].sum()
+
+    scalers = (fmp.StaticLossScale.create(1.0), fmp.DynamicLossScale.create(init_scale=1.0, min_scale=2.0**-10))
+    x, y = next(mlp_batches(1, 0))
+    out = fmp.mixed_precision_grad(two_large_losses, mlp_params(), scalers, x, y, policy=fmp.Policy())
+    assert not bool(out.grads_finite) and [bool(f) for f in out.finite_per_loss] == [False, False]
+
+
+def test_step_info_loss_scale_is_on_the_step_device_for_no_op_scalers() -> None:
+    state = fmp.TrainState.create(mlp_params(), fmp.optim.sgd(0.1), fmp.NoOpLossScale())
+    _, info = fmp.train_step(
+        mlp_loss, state, *next(mlp_batches(1, 0)), policy=fmp.Policy(), optimizer=fmp.optim.sgd(0.1)
+    )
+    assert float(info.loss_scale) == 1.0 and info.loss_scale.device == info.grads_finite.device
+
+
+def test_bad_rules_and_hooks_are_named() -> None:
+    with pytest.raises(ValueError, match=r"Policy\.rules must be one of .* got \['cuda'\]; for a rule set of your own"):
+        fmp.Policy(rules=["cuda"])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="autocast rules must be a rule-set name"):
+        fmp.autocast(torch.mm, torch.bfloat16, rules=None)  # type: ignore[arg-type]
+    state = fmp.TrainState.create(mlp_params(), fmp.optim.sgd(0.1), fmp.NoOpLossScale())
+    with pytest.raises(TypeError, match=r"reduce_grads must be a function of fmp\.Gradients, got int"):
+        fmp.train_step(
+            mlp_loss, state, *next(mlp_batches(1, 0)), policy=fmp.Policy(), optimizer=fmp.optim.sgd(0.1), reduce_grads=3
+        )
+    with pytest.raises(ValueError, match=r"steps must be in \[1, "):
+        fmp.GradientAccumulator.create(mlp_params(), fmp.NoOpLossScale(), 0)

@@ -113,7 +113,7 @@ class _Bucket:
 
     indices: list[int]
     wire_dtype: torch.dtype  # the buffer's dtype (complex gradients travel as their real view)
-    scaled: bool  # carried multiplied by the loss scale: the wire dtype has less range than the gradients
+    scaled: bool  # carried multiplied by the loss scale: the wire dtype flushes small gradients to zero
     nbytes: int
 
 
@@ -131,7 +131,8 @@ def _plan(leaves: list[torch.Tensor], reduce_dtype: torch.dtype, cap_bytes: int,
             bucket.indices.append(index)
             bucket.nbytes += nbytes
             continue
-        scaled = has_scale and torch.finfo(wire).max < torch.finfo(real_dtype).max
+        # Small gradients flush to zero on a wire with a larger smallest normal (float16, not bfloat16).
+        scaled = has_scale and torch.finfo(wire).tiny > torch.finfo(real_dtype).tiny
         filling[leaf.dtype] = _Bucket([index], wire, scaled, nbytes)
         buckets.append(filling[leaf.dtype])
     return buckets

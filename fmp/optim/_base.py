@@ -90,7 +90,13 @@ def scheduled_lr(lr: LearningRate, count: torch.Tensor) -> float | torch.Tensor:
     """`lr` itself when it is a float, else the schedule's value at `count` (checked, on device)."""
     if isinstance(lr, float):
         return lr
-    return check_schedule_value(lr(count))
+    value = check_schedule_value(lr(count))
+    if value.device != count.device:
+        raise ValueError(
+            f"the lr schedule returned a tensor on {value.device} for a step count on {count.device}; "
+            f"compute it from the count (e.g. torch.full_like(count, lr, dtype=torch.float64))"
+        )
+    return value
 
 
 def step_counter(params: Any) -> torch.Tensor:
