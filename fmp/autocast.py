@@ -253,8 +253,9 @@ class AutocastMode(TorchFunctionMode):
             # Off, or an outer region reached from an inner one (which has already cast): the
             # innermost region's rules are the only ones applied.
             return _call(func, args, kwargs)
-        # An OpOverload (torch.ops.aten.mm.default) is named "mm.default": look up its op's name.
-        name = getattr(func, "__name__", "").split(".")[0]
+        name = getattr(func, "__name__", "")
+        if isinstance(func, torch._ops.OpOverload):
+            name = func.overloadpacket.__name__  # torch.ops.aten.mm.default is named "mm.default"
         target = self.table.get(name)
         if target is not None and name in _CONDITIONS and not _CONDITIONS[name](args):
             return _call(func, args, kwargs)
