@@ -241,3 +241,24 @@ def test_one_rank_is_the_local_step_and_bad_arguments_are_named(group_of_one: No
     assert_trees_bitwise_equal(out.grads, complex_grads)
     empty = reduce(gradients._replace(grads={}, grads_finite=~finite, finite_per_loss=~finite))
     assert not bool(empty.grads_finite) and not bool(empty.finite_per_loss)
+
+
+def test_agreeing_on_flags_takes_either_kind_of_collective(group_of_one: None) -> None:
+    flags = (torch.ones((), dtype=torch.bool), torch.zeros((), dtype=torch.bool))
+    for collectives in ("functional", "eager"):
+        agreed = fmp.distributed.agree_finite(flags, collectives=collectives)  # type: ignore[arg-type]
+        assert [bool(f) for f in agreed] == [True, False]
+        scaler = fmp.DynamicLossScale.create(init_scale=8.0)
+        grads, finite, new = fmp.distributed.unscale_and_adjust(
+            scaler,
+            {"w": torch.full((2,), 16.0)},
+            collectives=collectives,  # type: ignore[arg-type]
+        )
+        assert bool(finite) and grads["w"].tolist() == [2.0, 2.0] and float(new.loss_scale) == 8.0
+    with pytest.raises(ValueError, match="collectives must be 'functional' or 'eager'"):
+        fmp.distributed.agree_finite(flags, collectives="nccl")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="scaler must be an fmp loss-scale state"):
+        fmp.distributed.train_step(
+            worker.mlp_loss, worker.make_state()._replace(scaler=3), *worker.global_batches(1, poison=None)[0],
+            policy=worker.F32, optimizer=fmp.optim.adamw(1e-2),
+        )  # fmt: skip

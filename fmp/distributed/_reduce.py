@@ -195,8 +195,7 @@ def all_reduce_gradients(
         raise TypeError(f"all_reduce_gradients takes fmp.Gradients, got {type(gradients).__name__}")
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be an fmp.Policy, got {type(policy).__name__}")
-    if collectives not in ("functional", "eager"):
-        raise ValueError(f"collectives must be 'functional' or 'eager', got {collectives!r}")
+    _check_collectives(collectives)
     cap_bytes = int(check_real("bucket_cap_mb", bucket_cap_mb, 0.0, float("inf"), low_inclusive=False) * 2**20)
     group, world = resolve_group(group, "fmp.distributed.all_reduce_gradients")
     grads, grads_finite, loss, aux, finite_per_loss = gradients
@@ -253,7 +252,12 @@ def all_reduce_gradients(
     return Gradients(new_grads, every_rank_finite & average_finite, loss, aux, new_finite_per_loss)
 
 
-def agree_finite(flags: T, *, group: dist.ProcessGroup | None = None) -> T:
+def _check_collectives(collectives: Any) -> None:
+    if collectives not in ("functional", "eager"):
+        raise ValueError(f"collectives must be 'functional' or 'eager', got {collectives!r}")
+
+
+def agree_finite(flags: T, *, group: dist.ProcessGroup | None = None, collectives: Collectives = "functional") -> T:
     """ANDs finite flags across the ranks of `group`: one tiny all-reduce (MIN), no host sync.
 
     For gradients that no rank holds whole (FSDP2's shards), each rank checks its own part and
@@ -262,6 +266,7 @@ def agree_finite(flags: T, *, group: dist.ProcessGroup | None = None) -> T:
     Args:
         flags: A 0-dim bool tensor, or a tuple of them (one per loss).
         group: The process group; None for the default group.
+        collectives: As `all_reduce_gradients`: "functional" (traceable) or "eager".
 
     Returns:
         Flags of the same structure, True where the flag was True on every rank.
@@ -270,6 +275,7 @@ def agree_finite(flags: T, *, group: dist.ProcessGroup | None = None) -> T:
         RuntimeError, TypeError, ValueError: As `all_reduce_gradients`, or if a flag is not a 0-dim bool.
         CollectiveError: Eager, if the all-reduce fails.
     """
+    _check_collectives(collectives)
     group, world = resolve_group(group, "fmp.distributed.agree_finite")
     leaves, spec = pytree.tree_flatten(flags)
     if not leaves:
@@ -278,5 +284,5 @@ def agree_finite(flags: T, *, group: dist.ProcessGroup | None = None) -> T:
         check_finite_flag(flag, f"flags[{index}]" if len(leaves) > 1 else "flags")
     # uint8: NCCL has no bool reductions.
     stacked = torch.stack([flag.to(leaves[0].device) for flag in leaves]).to(torch.uint8)
-    (agreed,) = _collective(lambda: _all_reduce([stacked], "min", group, "functional"), "finite-flag all-reduce", world)
+    (agreed,) = _collective(lambda: _all_reduce([stacked], "min", group, collectives), "finite-flag all-reduce", world)
     return pytree.tree_unflatten(list(agreed.bool().unbind()), spec)  # type: ignore[no-any-return]

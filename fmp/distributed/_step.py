@@ -16,6 +16,7 @@ from fmp.distributed._reduce import agree_finite
 from fmp.distributed._reduce import all_reduce_gradients
 from fmp.grad import LossFn
 from fmp.grad import ScalerTree
+from fmp.grad import check_scalers
 from fmp.loss_scale import LossScale
 from fmp.loss_scale import NoOpLossScale
 from fmp.loss_scale import check_scaler
@@ -91,6 +92,7 @@ def train_step(
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be an fmp.TrainState (TrainState.create(...)), got {type(state).__name__}")
+    check_scalers(state.scaler)  # before the wire scale reads it
     reduce = functools.partial(
         all_reduce_gradients,
         policy=policy,
@@ -115,7 +117,11 @@ def _check_local(grads: Any) -> None:
 
 
 def unscale_and_adjust(
-    scaler: ScaleT, scaled_grads: Tree, *, group: dist.ProcessGroup | None = None
+    scaler: ScaleT,
+    scaled_grads: Tree,
+    *,
+    group: dist.ProcessGroup | None = None,
+    collectives: Collectives = "functional",
 ) -> tuple[Tree, torch.Tensor, ScaleT]:
     """`fmp.unscale_and_adjust` for gradients sharded across ranks (FSDP2): the finite flag is agreed.
 
@@ -130,6 +136,7 @@ def unscale_and_adjust(
         scaler: The loss-scale state the gradients were computed with, the same on every rank.
         scaled_grads: This rank's gradients of the scaled loss: plain tensors (`p.grad.to_local()`).
         group: The process group the gradients are sharded over; None for the default group.
+        collectives: As `all_reduce_gradients`: "functional" (traceable) or "eager".
 
     Returns:
         `(grads, grads_finite, new_scaler)`: this rank's unscaled gradients, the flag of all ranks'
@@ -145,5 +152,5 @@ def unscale_and_adjust(
     local = all_finite(grads)
     # A rank with empty shards still votes, from the device its collectives run on.
     device = tree_device(scaled_grads) or tree_device(scaler)
-    grads_finite = agree_finite(local if device is None else local.to(device), group=group)
+    grads_finite = agree_finite(local if device is None else local.to(device), group=group, collectives=collectives)
     return grads, grads_finite, cast(ScaleT, scaler.adjust(grads_finite))
