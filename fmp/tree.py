@@ -112,6 +112,28 @@ def all_finite(tree: Any) -> torch.Tensor:
     return flags[0] if len(flags) == 1 else torch.stack(flags).all()
 
 
+def _check_distinct(pairs: list[tuple[Any, Any]], name: str) -> None:
+    """Raises a ValueError naming both leaves if one tensor is listed twice.
+
+    Leaves are compared with `is` within groups of equal shape, dtype and device (only those can be
+    one tensor): Dynamo traces `is` without a guard, where `id()` would guard on each tensor's
+    identity and recompile for every new set of tensors.
+    """
+    groups: dict[tuple[Any, ...], list[tuple[str, torch.Tensor]]] = {}
+    for path, leaf in pairs:
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        where = f"{name}{pytree.keystr(path)}"
+        group = groups.setdefault((tuple(leaf.shape), leaf.dtype, leaf.device), [])
+        for other_where, other in group:
+            if other is leaf:
+                raise ValueError(
+                    f"donate=True needs distinct tensors, but {other_where} and {where} are one tensor "
+                    f"(tied weights listed twice?): the step would write two updates into one buffer"
+                )
+        group.append((where, leaf))
+
+
 def donate_into(donated: Tree, new: Tree, name: str) -> Tree:
     """Writes `new` into the buffers of `donated` when compiling (buffer donation, as in `jax.jit`).
 
@@ -131,16 +153,7 @@ def donate_into(donated: Tree, new: Tree, name: str) -> Tree:
         ValueError: If `donated` lists one tensor twice (both leaves are named).
     """
     donated_pairs, spec = pytree.tree_flatten_with_path(donated)
-    first_path: dict[int, str] = {}
-    for path, leaf in donated_pairs:
-        if isinstance(leaf, torch.Tensor):
-            where = f"{name}{pytree.keystr(path)}"
-            if id(leaf) in first_path:
-                raise ValueError(
-                    f"donate=True needs distinct tensors, but {first_path[id(leaf)]} and {where} are one tensor "
-                    f"(tied weights listed twice?): the step would write two updates into one buffer"
-                )
-            first_path[id(leaf)] = where
+    _check_distinct(donated_pairs, name)
     if not torch.compiler.is_compiling():
         return new
     written = [
