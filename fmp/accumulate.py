@@ -18,6 +18,7 @@ from fmp._checks import check_int
 from fmp._struct import pytree_dataclass
 from fmp._struct import static_field
 from fmp.grad import ScalerTree
+from fmp.tree import tree_device
 
 __all__ = ["AccumulatedGradients", "GradientAccumulator"]
 
@@ -83,8 +84,7 @@ class GradientAccumulator:
             TypeError, ValueError: If `steps` is not an int in [1, 2**31 - 1].
         """
         check_int("steps", steps, 1, torch.iinfo(torch.int32).max)
-        leaves = pytree.tree_leaves(params)
-        device = leaves[0].device if leaves else None
+        device = tree_device(params)
         true = torch.ones((), dtype=torch.bool, device=device)
         per_loss = tuple(true.clone() for _ in scaler) if isinstance(scaler, tuple) else true.clone()
         return cls(

@@ -75,16 +75,17 @@ def _at_min_scale(scaler: LossScale) -> torch.Tensor | bool:
 
 def _stalled(scaler: ScalerTree, finite_per_loss: Any) -> torch.Tensor:
     """Whether a loss overflowed with its scale at the minimum (computed for every call, used on skips)."""
-    scalers = scaler if isinstance(scaler, tuple) else (scaler,)
-    flags = finite_per_loss if isinstance(scaler, tuple) else (finite_per_loss,)
-    stalled = [~finite & _at_min_scale(s) for s, finite in zip(scalers, flags, strict=True)]
-    return stalled[0] if len(stalled) == 1 else torch.stack(stalled).any()
+    per_loss = pytree.tree_leaves(
+        pytree.tree_map(lambda s, finite: ~finite & _at_min_scale(s), scaler, finite_per_loss, is_leaf=_is_scaler)
+    )
+    return per_loss[0] if len(per_loss) == 1 else torch.stack(per_loss).any()
 
 
 def _adjust(scaler: ScalerTree, finite_per_loss: Any) -> ScalerTree:
-    if isinstance(scaler, tuple):
-        return tuple(s.adjust(finite) for s, finite in zip(scaler, finite_per_loss, strict=True))
-    return scaler.adjust(finite_per_loss)
+    """Each scaler adjusted by its own flag (one scaler and flag, or tuples of them)."""
+    return cast(
+        ScalerTree, pytree.tree_map(lambda s, finite: s.adjust(finite), scaler, finite_per_loss, is_leaf=_is_scaler)
+    )
 
 
 def _loss_scale(scaler: ScalerTree, device: torch.device) -> Any:
