@@ -1,4 +1,4 @@
-"""Data-parallel mixed precision on CPUs: `fmp.distributed.train_step` over a gloo process group.
+"""Data-parallel mixed precision: `fmp.distributed.train_step` over a gloo (CPU) or NCCL (GPU) group.
 
 Each rank trains the same MLP on its own batches of a synthetic regression task, in bfloat16
 compute with a dynamic loss scale. Gradients are averaged across ranks in the policy's reduce dtype
@@ -11,6 +11,7 @@ that all replicas hold the same state bit for bit, and prints one line:
     rank R params checksum: X scale: S skipped: K
 
     torchrun --nproc_per_node=2 examples/ddp_train.py --steps 20 [--reduce bfloat16 --compile]
+    torchrun --nproc_per_node=NUM_GPUS examples/ddp_train.py --device cuda   # NCCL, a GPU per rank
 
 Run with plain `python`, it trains as a single rank.
 """
@@ -38,13 +39,23 @@ def make_model(width: int, layers: int) -> nn.Sequential:
     return nn.Sequential(*blocks, nn.Linear(width, 1))
 
 
-def init_process_group(timeout_s: float) -> None:
-    """gloo over torchrun's environment; without torchrun, a group of one."""
+def init_process_group(device_type: str, timeout_s: float) -> torch.device:
+    """gloo (CPU) or NCCL (CUDA, one GPU per rank) over torchrun's environment; without it, a group of one.
+
+    Returns:
+        This rank's device.
+    """
     timeout = datetime.timedelta(seconds=timeout_s)
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    device = torch.device(device_type)
+    if device_type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     if "RANK" in os.environ:
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout)
     else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return device
 
 
 def batch(step: int, rank: int, size: int, teacher: torch.Tensor, poison: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,31 +88,34 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=5, help="steps between rank 0's loss lines")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a stuck collective fails")
     parser.add_argument("--compile", action="store_true", help="run the step under torch.compile(fullgraph=True)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, one GPU per rank")
     args = parser.parse_args()
 
-    init_process_group(args.timeout)
+    device = init_process_group(args.device, args.timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     policy = fmp.get_policy(args.policy if args.reduce is None else f"{args.policy},r={args.reduce}")
     torch.manual_seed(rank)  # different weights on every rank until the broadcast
-    model = make_model(args.width, args.layers)
+    model = make_model(args.width, args.layers).to(device)
     params = fmp.distributed.broadcast_tree({k: v.detach() for k, v in model.named_parameters()})
-    teacher = torch.randn(16, 1, generator=torch.Generator().manual_seed(0))
+    teacher = torch.randn(16, 1, generator=torch.Generator().manual_seed(0))  # batches are drawn on the CPU
 
     def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         out = torch.func.functional_call(model, params, (x,))
         return nn.functional.mse_loss(out.float(), y.float())
 
     optimizer = fmp.optim.adamw(args.lr)
-    scaler = fmp.DynamicLossScale.create(init_scale=2.0**12, growth_interval=args.growth_interval)
+    scaler = fmp.DynamicLossScale.create(init_scale=2.0**12, growth_interval=args.growth_interval, device=device)
     state = fmp.TrainState.create(params, optimizer, scaler)
     step = functools.partial(fmp.distributed.train_step, loss_fn, policy=policy, optimizer=optimizer)
     if args.compile:
         step = torch.compile(step, fullgraph=True)
     if rank == 0:
-        print(f"world {world}, policy {policy}, reduce dtype {policy.effective_reduce_dtype}", flush=True)
+        backend, reduce_dtype = dist.get_backend(), policy.effective_reduce_dtype
+        print(f"world {world} ({backend}), policy {policy}, reduce dtype {reduce_dtype}", flush=True)
     for i in range(args.steps):
         poison = i == args.poison_step and rank == world - 1
-        state, info = step(state, *batch(i, rank, args.batch, teacher, poison))
+        x, y = batch(i, rank, args.batch, teacher, poison)
+        state, info = step(state, x.to(device), y.to(device))
         if rank == 0 and (i % args.log_every == 0 or i == args.steps - 1):  # reading info syncs: only here
             print(f"step {i} loss (rank 0's batch) {float(info.loss):.4f} applied {bool(info.applied)}", flush=True)
     fmp.distributed.check_replicas(state)  # raises, naming the leaf, if the replicas drifted apart

@@ -4,7 +4,8 @@
 gradients computed outside fmp's step. Eager, it runs as a handful of torch ops per gradient;
 `fused_unscale_and_adjust` is the same function compiled by `torch.compile(fullgraph=True)`, which
 makes one pass per gradient (read it, write the unscaled copy, reduce the finite flag in the same
-loop) and, on GPUs, groups those passes into a few launches with combo kernels. Inside a compiled
+loop) and, on GPUs, groups those passes into a few launches with combo kernels. All gradients'
+rows' flags meet in one final reduction, which also moves the scale. Inside a compiled
 `fmp.train_step` the unscale has no pass of its own: it folds into the optimizer's kernels, no
 unscaled gradient is written out, and the gradients are read twice (the check, then the update).
 """
@@ -26,7 +27,7 @@ from fmp.tree import all_finite
 from fmp.tree import donate_into
 from fmp.tree import tree_device
 
-__all__ = ["fused_unscale_and_adjust", "unscale_and_adjust"]
+__all__ = ["combo_kernel_options", "fused_unscale_and_adjust", "unscale_and_adjust"]
 
 Tree = TypeVar("Tree")
 ScaleT = TypeVar("ScaleT", bound=LossScale)
@@ -75,11 +76,29 @@ def unscale_and_adjust(
     return grads, grads_finite, cast(ScaleT, scaler.adjust(grads_finite))
 
 
+# Gradients per combo kernel: Inductor's default of 8 gives 200 gradients 25 launches, where 64
+# gives 4 and stays under its 250-argument cap (3 arguments per gradient).
+_GRADIENTS_PER_COMBO_KERNEL = 64
+
+
+def combo_kernel_options() -> dict[str, Any]:
+    """Inductor options that fuse per-gradient kernels side by side into a few launches on GPUs.
+
+    `combo_kernel_max_num_nodes` is passed only where the installed Inductor has it (newer than
+    torch 2.11); older ones group 8 kernels per launch.
+    """
+    import torch._inductor.config as inductor_config
+
+    options: dict[str, Any] = {"combo_kernels": True}
+    if hasattr(inductor_config, "combo_kernel_max_num_nodes"):
+        options["combo_kernel_max_num_nodes"] = _GRADIENTS_PER_COMBO_KERNEL
+    return options
+
+
 @functools.cache
 def _compiled_unscale_and_adjust() -> Callable[..., Any]:
     # Compiled lazily, on first use, so importing fmp does not load the compiler.
-    # Combo kernels fuse the per-gradient kernels side by side into a few launches on GPUs.
-    return torch.compile(unscale_and_adjust, fullgraph=True, options={"combo_kernels": True})
+    return torch.compile(unscale_and_adjust, fullgraph=True, options=combo_kernel_options())
 
 
 def fused_unscale_and_adjust(
