@@ -37,7 +37,7 @@ def is_inexact_tensor(leaf: Any) -> bool:
 
 def tree_device(tree: Any) -> torch.device | None:
     """The device of the first tensor leaf of `tree`, or None when it holds no tensor."""
-    return next((x.device for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)), None)
+    return next((x.device for x in pytree.tree_iter(tree) if isinstance(x, torch.Tensor)), None)
 
 
 def cast_floating(tree: Tree, dtype: torch.dtype) -> Tree:
@@ -64,6 +64,12 @@ def _finite_whole(x: torch.Tensor) -> torch.Tensor:
     # temporary (isfinite(x).all() writes a bool copy first, ~20x slower in eager CPU).
     low, high = torch.aminmax(x)
     return torch.isfinite(low) & torch.isfinite(high)
+
+
+def _finite_magnitude(x: torch.Tensor) -> torch.Tensor:
+    # Compiled, one reduction that Inductor fuses with the producer of `x`: a single scalar buffer
+    # per leaf, where aminmax allocates two.
+    return torch.isfinite(x.abs().amax())
 
 
 def _finite_rows(x: torch.Tensor) -> torch.Tensor:
@@ -106,7 +112,8 @@ def all_finite(tree: Any) -> torch.Tensor:
     # a full reduction with its producer), one full reduction per leaf is 3 to 6 times faster.
     if device.type != "cpu" and torch.compiler.is_compiling():
         return torch.cat([_finite_rows(x).to(device) for x in leaves]).all()
-    flags = [_finite_whole(x).to(device) for x in leaves]
+    finite = _finite_magnitude if torch.compiler.is_compiling() else _finite_whole
+    flags = [finite(x).to(device) for x in leaves]
     return flags[0] if len(flags) == 1 else torch.stack(flags).all()
 
 

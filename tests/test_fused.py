@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.utils._pytree as pytree
 from conftest import assert_trees_bitwise_equal
 from hypothesis import given
 from hypothesis import strategies as st
+from torch._inductor.utils import run_and_get_code
 
 import fmp
 
@@ -78,6 +81,20 @@ def test_donated_fused_form_unscales_in_place_bit_identically() -> None:
     # The check for a tensor listed twice compares with `is`: an `id()` would guard on every
     # tensor's identity and recompile for each new set of gradients.
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.compiled
+def test_donated_cpu_kernel_reads_each_gradient_in_one_loop() -> None:
+    # Inductor's C++ code must write each unscaled gradient in place and reduce its finite flag in
+    # one loop; recomputing it in a check loop of its own reads it twice (the 1.7-2x of issue 4).
+    torch._dynamo.reset()
+    scaler = fmp.DynamicLossScale.create(init_scale=3.0)
+    grads = [torch.randn(8, 30), torch.randn(1000)]
+    _, codes = run_and_get_code(fmp.fused_unscale_and_adjust, scaler, grads, donate=True)
+    loop_bounds = re.findall(r"x0<static_cast<int64_t>\((\d+)L\)", "\n".join(codes))
+    assert loop_bounds.count("240") == 1 and loop_bounds.count("1000") == 1, (
+        f"loops over the gradients' elements: {loop_bounds}"
+    )
 
 
 def test_eager_donation_of_gradients_changes_nothing_and_checks_its_input() -> None:
