@@ -11,11 +11,13 @@ and each row prints its share of the copy's bandwidth and its time relative to t
   fmp fused            fmp.fused_unscale_and_adjust (torch.compile, fullgraph)
   fmp fused donated    the same with donate=True: the unscaled values overwrite the gradients
   fmp fused graph      the same replayed as a CUDA graph (GPU, cases under 4 GB)
+  fmp fused donated graph
+                       the donated form replayed as a CUDA graph (GPU, cases under 4 GB)
 
 Cases: 200 gradients of 262,144 float32, and the 291 parameter shapes of a 7B Llama-style model
 (full size on a GPU; each dimension divided by --shrink on CPU, 8 by default).
 
-    python benchmarks/bench_unscale.py [--device cuda] [--reps 20] [--shrink 8]
+    python benchmarks/bench_unscale.py [--device cuda] [--reps 20] [--shrink 8] [--case uniform]
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from _common import synchronize
 from torch._inductor import metrics
 
 import fmp
-from fmp.fused import combo_kernel_options
+from fmp.fused import _combo_kernel_options
 
 Grads = list[torch.Tensor]
 
@@ -87,9 +89,10 @@ def contenders(grads: Grads) -> dict[str, Callable[[], object]]:
         # gradients stay where they are (as a step's would), so the graph reads them in place.
         for g in grads:
             torch._dynamo.mark_static_address(g)
-        options = {**combo_kernel_options(), "triton.cudagraphs": True}
+        options = {**_combo_kernel_options(), "triton.cudagraphs": True}
         graphed = torch.compile(fmp.unscale_and_adjust, fullgraph=True, options=options)
         timed["fmp fused graph"] = lambda: graphed(scaler, grads)
+        timed["fmp fused donated graph"] = lambda: graphed(scaler, grads, donate=True)
     return timed
 
 
@@ -118,7 +121,7 @@ def run_case(name: str, shapes: list[tuple[int, ...]], device: torch.device, rep
     print(f"\n{name}: {len(grads)} gradients, {moved / 2 / 1e9:.3f} GB float32")
     for label, t in seconds.items():
         print(
-            f"  {label:>17}: {t * 1e3:9.3f} ms  {moved / t / 1e9:8.1f} GB/s  "
+            f"  {label:>23}: {t * 1e3:9.3f} ms  {moved / t / 1e9:8.1f} GB/s  "
             f"{seconds['copy'] / t:6.1%} of copy  time ratio to torch kernels {t / seconds['torch kernels']:5.2f}"
         )
     print(f"  fmp fused: first call (compile) {compile_seconds:.1f} s, {kernels} kernels generated")
@@ -130,15 +133,18 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=None, help="timed calls per contender (20 on GPU, 5 on CPU)")
     parser.add_argument("--shrink", type=int, default=None, help="divide 7B dims by this (1 on GPU, 8 on CPU)")
+    parser.add_argument("--case", choices=["both", "uniform", "7b"], default="both", help="which gradient lists")
     args = parser.parse_args()
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
     reps = args.reps or (20 if on_gpu else 5)
     shrink = args.shrink or (1 if on_gpu else 8)
     print(describe_machine(device))
-    run_case("uniform", [(262_144,)] * 200, device, reps)
-    label = "7B-shaped" if shrink == 1 else f"7B-shaped, each dimension / {shrink}"
-    run_case(label, llama_7b_shapes(shrink), device, reps)
+    if args.case in ("both", "uniform"):
+        run_case("uniform", [(262_144,)] * 200, device, reps)
+    if args.case in ("both", "7b"):
+        label = "7B-shaped" if shrink == 1 else f"7B-shaped, each dimension / {shrink}"
+        run_case(label, llama_7b_shapes(shrink), device, reps)
 
 
 if __name__ == "__main__":

@@ -49,12 +49,17 @@ def init_process_group(device_type: str, timeout_s: float) -> torch.device:
     backend = "nccl" if device_type == "cuda" else "gloo"
     device = torch.device(device_type)
     if device_type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if local_rank >= gpus:
+            raise SystemExit(f"--device cuda needs a GPU per rank: local rank {local_rank}, {gpus} GPU(s) visible")
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+    # device_id binds NCCL's communicator to this rank's GPU.
+    bound = {"device_id": device} if device_type == "cuda" else {}
     if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **bound)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **bound)
     return device
 
 
@@ -115,7 +120,9 @@ def main() -> None:
     for i in range(args.steps):
         poison = i == args.poison_step and rank == world - 1
         x, y = batch(i, rank, args.batch, teacher, poison)
-        state, info = step(state, x.to(device), y.to(device))
+        if device.type == "cuda":  # from pinned memory the copy is queued, not waited for
+            x, y = x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        state, info = step(state, x, y)
         if rank == 0 and (i % args.log_every == 0 or i == args.steps - 1):  # reading info syncs: only here
             print(f"step {i} loss (rank 0's batch) {float(info.loss):.4f} applied {bool(info.applied)}", flush=True)
     fmp.distributed.check_replicas(state)  # raises, naming the leaf, if the replicas drifted apart

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fmp
+from fmp.tree import _finite_magnitude
 from fmp.tree import _finite_rows
 from fmp.tree import _finite_whole
 
@@ -37,16 +38,17 @@ def test_all_finite_edge_cases() -> None:
     bad=st.lists(st.tuples(st.integers(0, 10**6), st.sampled_from([math.nan, math.inf, -math.inf])), max_size=3),
     dtype=st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]),
 )
-def test_the_row_wise_check_of_compiled_gpu_code_agrees_with_the_whole_one(
+def test_the_checks_of_compiled_code_agree_with_the_eager_one(
     shape: tuple[int, ...], bad: list[tuple[int, float]], dtype: torch.dtype
 ) -> None:
-    # fmp.all_finite reduces row by row only in compiled GPU code; this checks that form on CPU.
+    # fmp.all_finite reduces row by row in compiled GPU code and by magnitude in compiled CPU code;
+    # this checks both forms eagerly.
     x = torch.randn(shape).to(dtype)
     flat = x.view(-1)
     for index, value in bad:
         flat[index % flat.numel()] = value
     expected = not bad
-    assert bool(_finite_rows(x).all()) == bool(_finite_whole(x)) == expected
+    assert bool(_finite_rows(x).all()) == bool(_finite_magnitude(x)) == bool(_finite_whole(x)) == expected
 
 
 @given(st.lists(st.tuples(values, values), min_size=1, max_size=5))
