@@ -21,13 +21,13 @@ from typing import TypeVar
 from typing import cast
 
 import torch
-import torch.utils._pytree as pytree
 
 from fmp._checks import check_bool
 from fmp.loss_scale import LossScale
 from fmp.loss_scale import check_scaler
 from fmp.tree import all_finite
 from fmp.tree import donate_into
+from fmp.tree import tree_accelerator_device
 from fmp.tree import tree_device
 
 __all__ = ["fused_unscale_and_adjust", "unscale_and_adjust"]
@@ -46,11 +46,7 @@ def _check_arguments(scaler: Any, scaled_grads: Any, donate: Any) -> torch.devic
             f"the scaler is on {scaler_device} but the gradients are on {grads_device}; "
             f"create it there (e.g. DynamicLossScale.create(device={str(grads_device)!r}))"
         )
-    # Where all_finite gathers the flags: the first accelerator among the gradients.
-    return next(
-        (x.device for x in pytree.tree_iter(scaled_grads) if isinstance(x, torch.Tensor) and x.device.type != "cpu"),
-        grads_device or scaler_device or torch.device("cpu"),
-    )
+    return tree_accelerator_device(scaled_grads) or scaler_device or torch.device("cpu")
 
 
 def unscale_and_adjust(

@@ -18,6 +18,7 @@ __all__ = [
     "is_inexact_tensor",
     "select_tree",
     "stack_trees",
+    "tree_accelerator_device",
     "tree_device",
     "unstack_tree",
 ]
@@ -38,6 +39,15 @@ def is_inexact_tensor(leaf: Any) -> bool:
 def tree_device(tree: Any) -> torch.device | None:
     """The device of the first tensor leaf of `tree`, or None when it holds no tensor."""
     return next((x.device for x in pytree.tree_iter(tree) if isinstance(x, torch.Tensor)), None)
+
+
+def tree_accelerator_device(tree: Any) -> torch.device | None:
+    """The device of the first tensor leaf off the CPU, else of the first tensor leaf, else None.
+
+    Where per-leaf results gather: collecting them there never copies from an accelerator to the host.
+    """
+    tensors = [x for x in pytree.tree_iter(tree) if isinstance(x, torch.Tensor)]
+    return next((x.device for x in tensors if x.device.type != "cpu"), tensors[0].device if tensors else None)
 
 
 def cast_floating(tree: Tree, dtype: torch.dtype) -> Tree:
@@ -115,12 +125,15 @@ def all_finite(tree: Any) -> torch.Tensor:
     # A complex leaf's real and imaginary parts side by side in its last dimension, so a 1-D leaf
     # keeps long rows.
     leaves = [_real_view(x) if x.is_complex() else x for x in leaves]
-    device = next((x.device for x in leaves if x.device.type != "cpu"), leaves[0].device)
+    device = cast(torch.device, tree_accelerator_device(leaves))
     # Row by row pays only in compiled GPU code: eager, or compiled for a CPU (where Inductor fuses
     # a full reduction with its producer), one full reduction per leaf is 3 to 6 times faster.
-    if device.type != "cpu" and torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling():
+        finite = _finite_whole
+    elif device.type != "cpu":
         return torch.cat([_finite_rows(x).to(device) for x in leaves]).all()
-    finite = _finite_magnitude if torch.compiler.is_compiling() else _finite_whole
+    else:
+        finite = _finite_magnitude
     flags = [finite(x).to(device) for x in leaves]
     return flags[0] if len(flags) == 1 else torch.stack(flags).all()
 
