@@ -13,6 +13,8 @@ and each row prints its share of the copy's bandwidth and its time relative to t
   fmp fused graph      the same replayed as a CUDA graph (GPU, cases under 4 GB)
   fmp fused donated graph
                        the donated form replayed as a CUDA graph (GPU, cases under 4 GB)
+  fmp GradientBuffer   the same gradients held as views into one flat buffer
+                       (fmp.GradientBuffer), unscaled in place by its unscale_: one tensor, one pass
 
 Cases: 200 gradients of 262,144 float32, and the 291 parameter shapes of a 7B Llama-style model
 (full size on a GPU; each dimension divided by --shrink on CPU, 8 by default).
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from _common import describe_machine
@@ -105,6 +108,19 @@ def copy_seconds(grads: Grads, reps: int) -> float:
     return median_seconds(lambda: torch._foreach_copy_(copies, grads), grads[0].device, reps)
 
 
+def gradient_buffer(grads: Grads) -> fmp.GradientBuffer:
+    """A GradientBuffer holding copies of `grads`, attached to parameters that take no memory.
+
+    Each parameter is a scalar expanded to its gradient's shape: only the gradients matter here,
+    and 7B-shaped parameters would not fit on the GPU beside the gradients.
+    """
+    params = [torch.zeros((), device=g.device).expand(g.shape).requires_grad_() for g in grads]
+    buffer = fmp.GradientBuffer.attach(params)
+    for param, grad in zip(params, grads, strict=True):
+        cast(torch.Tensor, param.grad).copy_(grad)
+    return buffer
+
+
 def run_case(name: str, shapes: list[tuple[int, ...]], device: torch.device, reps: int) -> None:
     torch.manual_seed(0)
     grads = [torch.randn(shape, device=device) for shape in shapes]
@@ -118,14 +134,19 @@ def run_case(name: str, shapes: list[tuple[int, ...]], device: torch.device, rep
     kernels = metrics.generated_kernel_count
     seconds = {"copy": copy_seconds(grads, reps)}
     seconds |= {label: median_seconds(fn, device, reps) for label, fn in contenders(grads).items()}
-    print(f"\n{name}: {len(grads)} gradients, {moved / 2 / 1e9:.3f} GB float32")
+    check_agreement(grads, scale=3.0)
+    buffer = gradient_buffer(grads)
+    del grads  # 7B-shaped gradients and their buffer both fit on the GPU, not a third copy
+    scaler = fmp.DynamicLossScale.create(1.0, device=device)  # scale 1: repeated calls keep the values
+    buffer.unscale_(scaler)  # compiles for the flat buffers' shapes
+    seconds["fmp GradientBuffer"] = median_seconds(lambda: buffer.unscale_(scaler), device, reps)
+    print(f"\n{name}: {len(shapes)} gradients, {moved / 2 / 1e9:.3f} GB float32")
     for label, t in seconds.items():
         print(
             f"  {label:>23}: {t * 1e3:9.3f} ms  {moved / t / 1e9:8.1f} GB/s  "
             f"{seconds['copy'] / t:6.1%} of copy  time ratio to torch kernels {t / seconds['torch kernels']:5.2f}"
         )
     print(f"  fmp fused: first call (compile) {compile_seconds:.1f} s, {kernels} kernels generated")
-    check_agreement(grads, scale=3.0)
 
 
 def main() -> None:

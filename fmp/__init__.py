@@ -11,6 +11,7 @@ from fmp.fused import fused_unscale_and_adjust
 from fmp.fused import unscale_and_adjust
 from fmp.grad import Gradients
 from fmp.grad import mixed_precision_grad
+from fmp.gradient_buffer import GradientBuffer
 from fmp.loss_scale import DynamicLossScale
 from fmp.loss_scale import LossScale
 from fmp.loss_scale import NoOpLossScale
@@ -38,6 +39,7 @@ __all__ = [
     "OPTREE_NAMESPACE",
     "DynamicLossScale",
     "GradientAccumulator",
+    "GradientBuffer",
     "Gradients",
     "LossScale",
     "LossScaleStalledError",

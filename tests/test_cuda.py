@@ -172,3 +172,46 @@ def test_fused_unscale_matches_eager_and_grad_scalers_kernel(dtype: torch.dtype)
     for ours, theirs in zip(unscaled, reference, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
     assert float(found_inf) == 0.0
+
+
+def test_gradient_buffer_loop_matches_grad_scaler_with_fused_adamw_and_never_syncs() -> None:
+    """The README's GradientBuffer loop under autocast, step for step against GradScaler's."""
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)).to(CUDA)
+
+    def loss(net: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.float16):
+            return net(x).float().square().mean()
+
+    ours, theirs = model(), model()
+    optimizer = torch.optim.AdamW(ours.parameters(), lr=1e-2, fused=True)
+    reference_optimizer = torch.optim.AdamW(theirs.parameters(), lr=1e-2, fused=True)
+    grad_scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=3)
+    grads = fmp.GradientBuffer.attach(ours.parameters())
+    scaler = fmp.DynamicLossScale.create(2.0**10, growth_interval=3, device=CUDA)
+    gen = torch.Generator().manual_seed(2)
+    data = [torch.randn(16, 64, generator=gen).to(CUDA) for _ in range(9)]
+    for x in data[1::4]:
+        x[0, 0] = float("inf")
+    for step, x in enumerate(data):
+        grad_scaler.scale(loss(theirs, x)).backward()
+        grad_scaler.unscale_(reference_optimizer)
+        grad_scaler.step(reference_optimizer)
+        grad_scaler.update()
+        reference_optimizer.zero_grad()
+
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if step > 0 else "default")  # the first step compiles
+        try:
+            scaler.scale(loss(ours, x)).backward()
+            grads_finite, scaler = grads.unscale_(scaler)
+            optimizer.found_inf = (~grads_finite).float()
+            optimizer.step()
+            grads.zero_()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert float(scaler.loss_scale) == grad_scaler.get_scale()
+    for param, reference in zip(ours.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(param, reference, rtol=0, atol=0)
