@@ -15,6 +15,7 @@ and each row prints its share of the copy's bandwidth and its time relative to t
                        the donated form replayed as a CUDA graph (GPU, cases under 4 GB)
   fmp GradientBuffer   the same gradients held as views into one flat buffer
                        (fmp.GradientBuffer), unscaled in place by its unscale_: one tensor, one pass
+  torch kernels, flat  GradScaler's kernels on that flat buffer: what the layout alone gives them
 
 Cases: 200 gradients of 262,144 float32, and the 291 parameter shapes of a 7B Llama-style model
 (full size on a GPU; each dimension divided by --shrink on CPU, 8 by default).
@@ -68,20 +69,27 @@ def check_agreement(grads: Grads, scale: float) -> None:
         raise AssertionError("fmp's finite flag differs from GradScaler's")
 
 
-def contenders(grads: Grads) -> dict[str, Callable[[], object]]:
+def torch_kernels(grads: Grads) -> Callable[[], None]:
+    """GradScaler's two kernels on `grads`, with a scale of 1 so that repeated calls keep the values."""
     device = grads[0].device
     scale, tracker = torch.ones((), device=device), torch.zeros((), dtype=torch.int32, device=device)
     found_inf = torch.zeros((), device=device)
-    scaler = fmp.DynamicLossScale.create(1.0, device=device)
 
-    def torch_kernels() -> None:
+    def run() -> None:
         found_inf.zero_()
         inverse = scale.double().reciprocal().float()
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inverse)
         torch._amp_update_scale_(scale, tracker, found_inf, 2.0, 0.5, 2000)
 
+    return run
+
+
+def contenders(grads: Grads) -> dict[str, Callable[[], object]]:
+    device = grads[0].device
+    scaler = fmp.DynamicLossScale.create(1.0, device=device)
+
     timed: dict[str, Callable[[], object]] = {
-        "torch kernels": torch_kernels,
+        "torch kernels": torch_kernels(grads),
         "fmp eager": lambda: fmp.unscale_and_adjust(scaler, grads),
         "fmp fused": lambda: fmp.fused_unscale_and_adjust(scaler, grads),
         # In place, as torch's kernel; the scale stays 1, so repeated calls keep the values.
@@ -138,8 +146,16 @@ def run_case(name: str, shapes: list[tuple[int, ...]], device: torch.device, rep
     buffer = gradient_buffer(grads)
     del grads  # 7B-shaped gradients and their buffer both fit on the GPU, not a third copy
     scaler = fmp.DynamicLossScale.create(1.0, device=device)  # scale 1: repeated calls keep the values
-    buffer.unscale_(scaler)  # compiles for the flat buffers' shapes
-    seconds["fmp GradientBuffer"] = median_seconds(lambda: buffer.unscale_(scaler), device, reps)
+
+    def unscale() -> None:
+        # What a backward does between two unscales in training, at no cost: it marks the
+        # gradients written, so unscale_ does not refuse them as unscaled already.
+        torch.autograd.graph.increment_version(list(buffer.flat()))
+        buffer.unscale_(scaler)
+
+    unscale()  # compiles for the flat buffers' shapes
+    seconds["fmp GradientBuffer"] = median_seconds(unscale, device, reps)
+    seconds["torch kernels, flat"] = median_seconds(torch_kernels(list(buffer.flat())), device, reps)
     print(f"\n{name}: {len(shapes)} gradients, {moved / 2 / 1e9:.3f} GB float32")
     for label, t in seconds.items():
         print(

@@ -3,9 +3,10 @@
 `loss.backward()` gives each parameter a gradient tensor of its own, so an unscale runs once per
 gradient: hundreds of small gradients cost hundreds of loops (or launches), plus the compiled
 wrapper's bookkeeping for every one of them. `GradientBuffer.attach(params)` allocates one flat
-buffer per (device, dtype) and makes each parameter's `.grad` a view into it. Backward accumulates
-into those views in place, optimizers read them as ordinary gradients, and `unscale_` unscales
-and checks all of them in one compiled pass over one tensor per buffer, writing in place.
+buffer per dtype and makes each parameter's `.grad` a view into it. Backward accumulates into those
+views in place, optimizers read them as ordinary gradients, `unscale_` unscales and checks all of
+them in one compiled pass over one tensor per buffer, writing in place, and `step` has a fused
+torch optimizer skip an overflowed step on the device.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from fmp.fused import fused_unscale_and_adjust
 from fmp.loss_scale import LossScale
 from fmp.tree import _ROW_LENGTH
+from fmp.tree import check_finite_flag
 
 __all__ = ["GradientBuffer"]
 
@@ -47,6 +49,8 @@ def _check_param(index: int, param: Any, first_index: dict[int, int]) -> torch.T
         raise ValueError(f"{where} does not require grad, so backward would never write its .grad")
     if not param.is_leaf:
         raise ValueError(f"{where} is not a leaf tensor: autograd accumulates .grad into leaves only")
+    if param.grad is not None and param.grad.layout != torch.strided:
+        raise ValueError(f"{where} has a {param.grad.layout} gradient: only dense gradients fit a flat buffer")
     if id(param) in first_index:
         raise ValueError(f"{where} is listed twice, as params[{first_index[id(param)]}] and params[{index}]")
     first_index[id(param)] = index
@@ -57,14 +61,55 @@ def _padded(numel: int, multiple: int) -> int:
     return -(-numel // multiple) * multiple
 
 
+def _is_non_overlapping_and_dense(x: torch.Tensor) -> bool:
+    """Whether `x`'s elements fill a block of memory exactly once, in some order of its dimensions."""
+    expected = 1
+    for size, stride in sorted((s, t) for s, t in zip(x.shape, x.stride(), strict=True) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _view_like(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
+    """`param.numel()` elements of `buffer` from `offset`, shaped as `param`, strided as autograd would.
+
+    autograd's layout contract: a non-overlapping and dense parameter's gradient has its strides (a
+    transposed or channels-last weight), which fused optimizers also expect of their state; any
+    other parameter's gradient is contiguous.
+    """
+    if param.numel() > 0 and _is_non_overlapping_and_dense(param):
+        return buffer.as_strided(param.shape, param.stride(), buffer.storage_offset() + offset)
+    return buffer[offset : offset + param.numel()].view(param.shape)
+
+
+def _check_skips_on_device(optimizer: Any) -> None:
+    """Raises a TypeError unless `optimizer` leaves everything unchanged on a step with `found_inf` 1."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    name = type(optimizer).__name__
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        raise TypeError(
+            f"{name} cannot skip a step on the device: only torch optimizers built with fused=True "
+            "(Adam, AdamW, Adagrad, SGD) read found_inf; the others would apply an overflowed step. "
+            "Build it with fused=True, or use fmp.optim with fmp.train_step"
+        )
+    if isinstance(optimizer, torch.optim.SGD) and any(group["momentum"] != 0 for group in optimizer.param_groups):
+        raise TypeError(
+            "fused SGD with momentum cannot skip its first step: torch's _fused_sgd leaves the momentum "
+            "buffers uninitialized when found_inf is 1 then; use fused AdamW, or fmp.optim.sgd with fmp.train_step"
+        )
+
+
 class GradientBuffer:
-    """The gradients of a list of parameters, kept in one flat buffer per (device, dtype).
+    """The gradients of a list of parameters, kept in one flat buffer per dtype.
 
     A host-side handle, like a `torch.optim.Optimizer`: it refers to the parameters and is not a
     pytree. Build it with `attach`. Every parameter then has a gradient (zeros until a backward
     writes it), as with DDP's `gradient_as_bucket_view`: one that no loss reaches keeps a zero
     gradient where it would otherwise have none, which optimizers with weight decay or momentum
-    act on.
+    act on. Move or cast the model before attaching: `.to()` or `.half()` afterwards gives the
+    parameters new gradients outside the buffer (`flat` then raises).
 
     Example:
         ```python
@@ -73,8 +118,7 @@ class GradientBuffer:
         for x, y in data:
             scaler.scale(loss_fn(model(x), y)).backward()
             grads_finite, scaler = grads.unscale_(scaler)
-            optimizer.found_inf = (~grads_finite).float()  # fused optimizers skip on the device
-            optimizer.step()
+            grads.step(optimizer, grads_finite)  # skipped on the device when not finite
             grads.zero_()
         ```
     """
@@ -82,70 +126,80 @@ class GradientBuffer:
     def __init__(
         self, params: tuple[torch.Tensor, ...], views: tuple[torch.Tensor, ...], buffers: tuple[torch.Tensor, ...]
     ) -> None:
+        """Wraps what `attach` built; call `attach` instead."""
         self._params = params
         self._views = views
         self._buffers = buffers
+        self._view_pointers = tuple(view.data_ptr() for view in views)
+        self._versions_at_unscale: tuple[int, ...] | None = None
 
     @classmethod
     def attach(cls, params: Iterable[torch.Tensor]) -> GradientBuffer:
         """Allocates the buffers and makes each parameter's `.grad` a view into them.
 
-        Parameters are grouped by (device, dtype), one buffer per group in order of first
-        appearance, and laid out in the order given. A gradient a parameter already has is copied
-        into its view, so nothing accumulated so far is lost.
+        Parameters are grouped by dtype, one buffer per group in order of first appearance, and
+        laid out in the order given. A gradient a parameter already has is copied into its view,
+        so nothing accumulated so far is lost. Every entry is checked before any `.grad` changes.
 
         Args:
-            params: Leaf tensors that require grad, each listed once (e.g. `model.parameters()`).
+            params: Leaf tensors on one device that require grad, each listed once (e.g.
+                `model.parameters()`).
 
         Returns:
             The buffer handle.
 
         Raises:
             TypeError: If an entry is not a tensor, or is a tensor subclass (such as a DTensor).
-            ValueError: If `params` is empty, or an entry is sparse, does not require grad, is not
-                a leaf, or is listed twice.
+            ValueError: If `params` is empty or spans several devices, or an entry is sparse or has
+                a sparse gradient, does not require grad, is not a leaf, or is listed twice.
         """
         first_index: dict[int, int] = {}
         checked = [_check_param(i, p, first_index) for i, p in enumerate(params)]
         if not checked:
             raise ValueError("params is empty: there are no gradients to keep in a buffer")
-        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        devices = list(dict.fromkeys(str(param.device) for param in checked))
+        if len(devices) > 1:
+            raise ValueError(f"params span {', '.join(devices)}: attach one GradientBuffer per device")
+        groups: dict[torch.dtype, list[int]] = {}
         for i, param in enumerate(checked):
-            groups.setdefault((param.device, param.dtype), []).append(i)
-        views: list[torch.Tensor | None] = [None] * len(checked)
+            groups.setdefault(param.dtype, []).append(i)
+        views: dict[int, torch.Tensor] = {}
         buffers = []
-        for (device, dtype), members in groups.items():
-            alignment = max(1, _ALIGNMENT_BYTES // checked[members[0]].element_size())
-            lengths = [_padded(checked[i].numel(), alignment) for i in members]
-            # A whole number of rows, so a compiled GPU finite check reads the buffer row by row
-            # in the pass that unscales it (see fmp.tree.all_finite).
-            buffer = torch.zeros(_padded(sum(lengths), _ROW_LENGTH), device=device, dtype=dtype)
-            offsets = itertools.accumulate(lengths, initial=0)
-            for i, offset in zip(members, offsets, strict=False):  # one offset more than members
-                param = checked[i]
-                view = buffer[offset : offset + param.numel()].view(param.shape)
-                if param.grad is not None:
-                    view.copy_(param.grad)
-                param.grad = view
-                views[i] = view
-            buffers.append(buffer)
-        return cls(tuple(checked), tuple(v for v in views if v is not None), tuple(buffers))
+        with torch.no_grad():  # copying a gradient in must not record autograd history
+            for dtype, members in groups.items():
+                alignment = max(1, _ALIGNMENT_BYTES // checked[members[0]].element_size())
+                lengths = [_padded(checked[i].numel(), alignment) for i in members]
+                # A whole number of rows, so a compiled GPU finite check reads the buffer row by
+                # row in the pass that unscales it (see fmp.tree.all_finite).
+                buffer = torch.zeros(_padded(sum(lengths), _ROW_LENGTH), device=checked[0].device, dtype=dtype)
+                offsets = itertools.accumulate(lengths, initial=0)
+                for i, offset in zip(members, offsets, strict=False):  # one offset more than members
+                    view = _view_like(buffer, offset, checked[i])
+                    existing = checked[i].grad
+                    if existing is not None:
+                        view.copy_(existing)
+                    checked[i].grad = view
+                    views[i] = view
+                buffers.append(buffer)
+        return cls(tuple(checked), tuple(views[i] for i in range(len(checked))), tuple(buffers))
 
     def flat(self) -> tuple[torch.Tensor, ...]:
-        """The buffers, one 1-D tensor per (device, dtype), after checking each `.grad` is still its view.
+        """The buffers, one 1-D tensor per dtype, after checking each `.grad` is still its view.
 
         Returns:
             The flat buffers, in order of each group's first parameter. Writing to them writes the
-            parameters' gradients (that is what `fused_unscale_and_adjust(..., donate=True)` does).
+            parameters' gradients (that is what `unscale_` does).
 
         Raises:
-            RuntimeError: If a parameter's `.grad` is no longer its view: set to None (what
-                `optimizer.zero_grad()` does by default; zero with `zero_()` instead, or with
-                `zero_grad(set_to_none=False)`), or replaced by another tensor (an assignment, or a
-                backward with `create_graph=True`, which accumulates out of place).
+            RuntimeError: If a parameter's `.grad` is no longer its view into the buffer: set to
+                None (`optimizer.zero_grad()` does that by default), replaced (a backward after
+                such a zero_grad, an assignment, or a backward with `create_graph=True`), or moved
+                to new memory (the model moved or cast after `attach`).
         """
-        for index, (param, view) in enumerate(zip(self._params, self._views, strict=True)):
-            if param.grad is view:
+        for index, (param, view, pointer) in enumerate(
+            zip(self._params, self._views, self._view_pointers, strict=True)
+        ):
+            if param.grad is view and view.data_ptr() == pointer:
                 continue
             where = _describe(index, param)
             if param.grad is None:
@@ -153,9 +207,16 @@ class GradientBuffer:
                     f"{where} has .grad None, so its gradient is no longer in the buffer: zero gradients "
                     "with GradientBuffer.zero_() or optimizer.zero_grad(set_to_none=False), not set_to_none"
                 )
+            if param.grad is view:
+                raise RuntimeError(
+                    f"{where} has a .grad that no longer points into the buffer: the model was moved or cast "
+                    "(.to(), .half()) after attach; attach a new GradientBuffer after moving it"
+                )
             raise RuntimeError(
-                f"{where} has a .grad that is not its view into the buffer: it was assigned, or a backward "
-                "with create_graph=True accumulated out of place; call GradientBuffer.zero_() to re-attach"
+                f"{where} has a .grad that is not its view into the buffer: a backward after "
+                "optimizer.zero_grad() (set_to_none) gave it a new one, or it was assigned, or a backward with "
+                "create_graph=True accumulated out of place. zero_() re-attaches the views but discards "
+                "the gradients they hold; zero with GradientBuffer.zero_() before each backward"
             )
         return self._buffers
 
@@ -184,13 +245,47 @@ class GradientBuffer:
             (on the device: nothing is read on the host), and the adjusted scaler state.
 
         Raises:
-            RuntimeError: As `flat`, if a `.grad` is no longer its view.
+            RuntimeError: As `flat`, if a `.grad` is no longer its view; or if nothing has written
+                the gradients since the last `unscale_` (they would be unscaled twice).
             TypeError, ValueError: As `fused_unscale_and_adjust`, for a wrong scaler or one on
                 another device than the gradients.
         """
         buffers = self.flat()
+        # Views share their base's version counter, so a backward or a zeroing since the last
+        # unscale_ shows as a new version.
+        if self._versions_at_unscale == tuple(buffer._version for buffer in buffers):
+            raise RuntimeError(
+                "unscale_ was already called on these gradients: nothing has written them since, so they "
+                "would be unscaled twice; zero_() and run a backward first"
+            )
         unscaled, grads_finite, new_scaler = fused_unscale_and_adjust(scaler, buffers, donate=True)
         for buffer, values in zip(buffers, unscaled, strict=True):
             if values.data_ptr() != buffer.data_ptr():
                 buffer.copy_(values)
+        self._versions_at_unscale = tuple(buffer._version for buffer in buffers)
         return grads_finite, new_scaler
+
+    def step(self, optimizer: torch.optim.Optimizer, grads_finite: torch.Tensor) -> None:
+        """Takes `optimizer`'s step, which leaves params and state unchanged where `grads_finite` is False.
+
+        The decision stays on the device: the optimizer gets `found_inf = ~grads_finite`, as
+        GradScaler hands it to optimizers whose fused kernels skip on the device (torch's Adam,
+        AdamW, Adagrad and SGD without momentum, built with `fused=True`).
+
+        Args:
+            optimizer: A fused torch optimizer over (some of) this buffer's parameters.
+            grads_finite: The 0-dim bool tensor `unscale_` returned.
+
+        Raises:
+            TypeError: If `optimizer` is not a torch optimizer that skips on the device (not fused,
+                or fused SGD with momentum, whose first skipped step leaves its momentum
+                uninitialized), or `grads_finite` is not a tensor.
+            ValueError: If `grads_finite` is not a 0-dim bool tensor.
+        """
+        _check_skips_on_device(optimizer)
+        check_finite_flag(grads_finite)
+        optimizer.found_inf = (~grads_finite).float()  # type: ignore[attr-defined]
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf  # type: ignore[attr-defined]

@@ -91,3 +91,26 @@ def test_readme_training_loop_runs_after_the_quickstart() -> None:
         [*PYTHON, "-c", eager + quickstart + loop], capture_output=True, text=True, check=True, timeout=300
     )
     assert result.stdout.split()[-3:] == ["2", "0", "2"]
+
+
+@pytest.mark.compiled
+def test_readme_gradient_buffer_loop_runs_and_skips_the_overflow() -> None:
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    section = readme.split("### Gradients in one buffer", 1)[1]
+    loop = section.split("```python\n", 1)[1].split("```", 1)[0]
+    setup = (
+        "import torch\nimport fmp\ntorch.manual_seed(0)\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))\n"
+        "loss_fn = torch.nn.functional.mse_loss\n"
+        "data = [(torch.randn(16, 8), torch.randn(16, 1)) for _ in range(4)]\n"
+        "data[2][0][0, 0] = float('inf')\n"
+        "before = [p.detach().clone() for p in model.parameters()]\n"
+    )
+    check = (
+        "print(float(scaler.loss_scale), all(bool(p.isfinite().all()) for p in model.parameters()),"
+        " all(not torch.equal(p, q) for p, q in zip(model.parameters(), before)))\n"
+    )
+    result = subprocess.run(
+        [*PYTHON, "-c", setup + loop + check], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert result.stdout.split() == [str(2.0**15), "True", "True"]  # one back-off; the params trained and stayed finite

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +15,7 @@ from torch import nn
 
 import fmp
 
-DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.complex64, torch.complex128]
 
 
 def make_model() -> nn.Sequential:
@@ -69,13 +70,30 @@ def test_backward_accumulates_into_the_views_exactly_as_into_tensors_of_their_ow
     assert int(flat.count_nonzero()) == sum(nonzero)
 
 
-def test_attach_keeps_the_gradients_accumulated_so_far() -> None:
+def test_attach_moves_the_gradients_accumulated_so_far_into_the_buffer() -> None:
     model = make_model()
     loss_of(model, torch.randn(5, 6)).backward()
+    first = next(model.parameters())
+    first.grad = torch.randn(6, 16).t()  # a gradient with other strides than its parameter's
     before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    fmp.GradientBuffer.attach(model.parameters())
+    (flat,) = fmp.GradientBuffer.attach(model.parameters()).flat()
     for param, grad in zip(model.parameters(), before, strict=True):
         assert param.grad is not None and torch.equal(param.grad, grad)
+        assert param.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        assert param.grad.stride() == param.stride() and not param.grad.requires_grad
+
+
+def test_a_dense_parameter_keeps_its_strides_and_its_gradient() -> None:
+    """A transposed weight's gradient is strided as the weight, as autograd and fused optimizers expect."""
+    weight = nn.Parameter(torch.randn(16, 6).t())
+    twin = nn.Parameter(weight.detach().clone())
+    fmp.GradientBuffer.attach([weight])
+    x = torch.randn(4, 6)
+    (x @ weight).square().sum().backward()
+    (x @ twin).square().sum().backward()
+    assert weight.grad is not None and twin.grad is not None
+    assert weight.grad.stride() == weight.stride() == (1, 6)
+    assert torch.equal(weight.grad, twin.grad)
 
 
 def test_zero_grad_to_none_is_named_and_zero__reattaches() -> None:
@@ -89,18 +107,45 @@ def test_zero_grad_to_none_is_named_and_zero__reattaches() -> None:
     optimizer.zero_grad()  # sets .grad to None
     with pytest.raises(RuntimeError, match=r"params\[0\] \(shape \(16, 6\), torch.float32\) has .grad None"):
         buffer.flat()
-    buffer.zero_()
-    assert buffer.flat()[0] is flat
-    next(model.parameters()).grad = torch.ones(16, 6)
-    with pytest.raises(RuntimeError, match=r"params\[0\] .* not its view into the buffer"):
+    loss_of(model, torch.randn(5, 6)).backward()  # fresh gradients outside the buffer
+    with pytest.raises(RuntimeError, match=r"params\[0\] .* a backward after optimizer.zero_grad\(\)"):
         buffer.unscale_(fmp.StaticLossScale.create(2.0))
     buffer.zero_()
+    assert buffer.flat()[0] is flat
     for param in model.parameters():
         assert param.grad is not None and param.grad.untyped_storage().data_ptr() == flat.data_ptr()
 
 
+def test_a_model_cast_after_attach_is_named() -> None:
+    model = make_model()
+    buffer = fmp.GradientBuffer.attach(model.parameters())
+    model.double()  # rebinds each .grad's data: the same tensor object, new memory
+    with pytest.raises(RuntimeError, match=r"params\[0\] .* moved or cast \(.to\(\), .half\(\)\) after attach"):
+        buffer.flat()
+
+
+def test_gradients_are_not_unscaled_twice() -> None:
+    model = make_model()
+    buffer = fmp.GradientBuffer.attach(model.parameters())
+    scaler = fmp.StaticLossScale.create(4.0)
+    with torch.compiler.set_stance("force_eager"):  # the subject is the bookkeeping, not the kernel
+        loss_of(model, torch.randn(5, 6)).backward()
+        buffer.unscale_(scaler)
+        with pytest.raises(RuntimeError, match="unscale_ was already called on these gradients"):
+            buffer.unscale_(scaler)
+        buffer.zero_()
+        loss_of(model, torch.randn(5, 6)).backward()
+        buffer.unscale_(scaler)
+
+
 class Subclass(torch.Tensor):
     pass
+
+
+def sparse_grad_param() -> torch.Tensor:
+    param = torch.zeros(4, 2, requires_grad=True)
+    param.grad = torch.zeros(4, 2).to_sparse()
+    return param
 
 
 BAD_PARAMS: dict[str, tuple[Callable[[], list[Any]], type[Exception], str]] = {
@@ -112,6 +157,12 @@ BAD_PARAMS: dict[str, tuple[Callable[[], list[Any]], type[Exception], str]] = {
         lambda: [torch.zeros(2, 2).to_sparse().requires_grad_()],
         ValueError,
         r"params\[0\] .* layout torch.sparse_coo",
+    ),
+    "sparse grad": (lambda: [sparse_grad_param()], ValueError, r"params\[0\] .* has a torch.sparse_coo gradient"),
+    "two devices": (
+        lambda: [torch.zeros(2, requires_grad=True), torch.zeros(2, device="meta", requires_grad=True)],
+        ValueError,
+        r"params span cpu, meta: attach one GradientBuffer per device",
     ),
     "subclass": (
         lambda: [torch.zeros(2).as_subclass(Subclass).requires_grad_()],
@@ -135,12 +186,13 @@ def test_a_parameter_listed_twice_is_named_and_nothing_is_attached() -> None:
     assert shared.grad is None
 
 
+@pytest.mark.compiled
 @pytest.mark.parametrize("fallback", [False, True], ids=["compiled", "eager-fallback"])
 def test_a_training_loop_matches_grad_scaler_with_fused_adamw_bit_for_bit(fallback: bool) -> None:
     """torch.amp (unscale_, step, update) against GradientBuffer.unscale_ with found_inf, skips included.
 
-    Both sides drive the same fused AdamW; on fmp's side it skips on the device through
-    `found_inf`, as GradScaler hands it. With `fallback` the compiled unscale runs eagerly, as past
+    Both sides drive the same fused AdamW; on fmp's side `step` has it skip on the device through
+    `found_inf`, as GradScaler does. With `fallback` the compiled unscale runs eagerly, as past
     Dynamo's recompile limit, and must still write in place.
     """
     torch._dynamo.reset()
@@ -165,8 +217,7 @@ def test_a_training_loop_matches_grad_scaler_with_fused_adamw_bit_for_bit(fallba
 
             scaler.scale(loss_of(model, x)).backward()
             grads_finite, scaler = buffer.unscale_(scaler)
-            optimizer.found_inf = (~grads_finite).float()
-            optimizer.step()
+            buffer.step(optimizer, grads_finite)
             buffer.zero_()
             skipped += int(not bool(grads_finite))
             assert float(scaler.loss_scale) == grad_scaler.get_scale()
@@ -177,18 +228,95 @@ def test_a_training_loop_matches_grad_scaler_with_fused_adamw_bit_for_bit(fallba
             assert torch.equal(optimizer.state[param][key], reference_optimizer.state[reference][key])
 
 
-def test_unscale_writes_the_unscaled_values_over_the_gradients_and_checks_them() -> None:
+@pytest.mark.compiled
+@pytest.mark.filterwarnings("ignore:Torchinductor does not support code generation for complex operators")
+@pytest.mark.parametrize("stance", ["default", "force_eager"])
+def test_unscale_writes_the_unscaled_values_over_the_gradients_and_checks_them(stance: str) -> None:
     torch._dynamo.reset()
-    params = [torch.zeros(3, requires_grad=True), torch.zeros(2, 2, dtype=torch.float64, requires_grad=True)]
+    params = [torch.zeros(3, requires_grad=True), torch.zeros(2, 2, dtype=torch.complex64, requires_grad=True)]
     buffer = fmp.GradientBuffer.attach(params)
     params[0].grad.copy_(torch.tensor([4.0, -8.0, 0.5]))  # type: ignore[union-attr]
-    params[1].grad.fill_(2.0)  # type: ignore[union-attr]
+    params[1].grad.fill_(2.0 + 4.0j)  # type: ignore[union-attr]
     flat = buffer.flat()
-    grads_finite, scaler = buffer.unscale_(fmp.StaticLossScale.create(4.0))
-    assert bool(grads_finite) and isinstance(scaler, fmp.StaticLossScale)
-    assert buffer.flat() == flat
-    assert params[0].grad is not None and params[0].grad.tolist() == [1.0, -2.0, 0.125]
-    assert params[1].grad is not None and bool((params[1].grad == 0.5).all())
-    params[1].grad[0, 1] = float("nan")
-    grads_finite, _ = buffer.unscale_(scaler)
+    with torch.compiler.set_stance(stance):
+        grads_finite, scaler = buffer.unscale_(fmp.StaticLossScale.create(4.0))
+        assert bool(grads_finite) and isinstance(scaler, fmp.StaticLossScale)
+        assert all(a is b for a, b in zip(buffer.flat(), flat, strict=True))
+        assert params[0].grad is not None and params[0].grad.tolist() == [1.0, -2.0, 0.125]
+        assert params[1].grad is not None and bool((params[1].grad == 0.5 + 1.0j).all())
+        params[1].grad[0, 1] = complex(float("nan"), 0.0)
+        grads_finite, _ = buffer.unscale_(scaler)
+        assert not bool(grads_finite)
+
+
+def zero_size_and_real() -> list[torch.Tensor]:
+    return [torch.zeros(0, 3, requires_grad=True), torch.ones(3, requires_grad=True)]
+
+
+@pytest.mark.parametrize("make", [lambda: [torch.zeros(0, 3, requires_grad=True)], zero_size_and_real])
+def test_zero_size_parameters_unscale_to_finite(make: Callable[[], list[torch.Tensor]]) -> None:
+    buffer = fmp.GradientBuffer.attach(make())
+    with torch.compiler.set_stance("force_eager"):
+        grads_finite, _ = buffer.unscale_(fmp.StaticLossScale.create(2.0))
+    assert bool(grads_finite)
+
+
+OPTIMIZERS_THAT_SKIP: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
+    "adam": lambda p: torch.optim.Adam(p, lr=0.1, fused=True),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.1, fused=True),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1, fused=True),
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=0.1, fused=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS_THAT_SKIP))
+def test_a_skipped_first_step_leaves_params_and_optimizer_state_bit_for_bit(name: str) -> None:
+    model = make_model()
+    optimizer = OPTIMIZERS_THAT_SKIP[name](list(model.parameters()))
+    buffer = fmp.GradientBuffer.attach(model.parameters())
+    state_before = copy.deepcopy(optimizer.state_dict())
+    params_before = [bits(p.detach().clone()) for p in model.parameters()]
+    x = torch.randn(5, 6)
+    x[0, 0] = float("inf")
+    with torch.compiler.set_stance("force_eager"):
+        loss_of(model, x).backward()
+        grads_finite, _ = buffer.unscale_(fmp.StaticLossScale.create(2.0))
     assert not bool(grads_finite)
+    buffer.step(optimizer, grads_finite)
+    assert all(torch.equal(bits(p.detach()), b) for p, b in zip(model.parameters(), params_before, strict=True))
+    state_after = optimizer.state_dict()
+    for index, before in state_before["state"].items():
+        for key, value in before.items():
+            assert torch.equal(state_after["state"][index][key], value), (index, key)
+    assert not hasattr(optimizer, "found_inf")  # handed over for the step only
+
+
+REFUSED: dict[str, tuple[Callable[[list[nn.Parameter]], Any], str]] = {
+    "unfused adamw": (lambda p: torch.optim.AdamW(p, lr=0.1), r"AdamW cannot skip a step on the device"),
+    "rmsprop": (lambda p: torch.optim.RMSprop(p, lr=0.1), r"RMSprop cannot skip a step on the device"),
+    "fused sgd with momentum": (
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True),
+        r"fused SGD with momentum cannot skip its first step",
+    ),
+    "not an optimizer": (lambda p: object(), r"optimizer must be a torch.optim.Optimizer, got object"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_step_refuses_optimizers_that_would_apply_an_overflowed_step(case: str) -> None:
+    model = make_model()
+    make, message = REFUSED[case]
+    optimizer = make(list(model.parameters()))
+    buffer = fmp.GradientBuffer.attach(model.parameters())
+    params_before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(TypeError, match=message):
+        buffer.step(optimizer, torch.tensor(False))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), params_before, strict=True))
+
+
+def test_step_names_a_wrong_finite_flag() -> None:
+    model = make_model()
+    buffer = fmp.GradientBuffer.attach(model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    with pytest.raises(ValueError, match=r"grads_finite must be a 0-dim bool tensor"):
+        buffer.step(optimizer, torch.tensor([True]))
