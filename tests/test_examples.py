@@ -26,11 +26,12 @@ def test_seed_recipe_demo_runs_and_tracks_torch_amp() -> None:
     by_run: dict[str, list[tuple[float, float]]] = {}
     for run, _, loss, scale in rows:
         by_run.setdefault(run, []).append((float(loss), float(scale)))
-    assert set(by_run) == {"fp32", "torch.amp", "fmp"} and all(len(h) == 3 for h in by_run.values())
+    assert set(by_run) == {"fp32", "torch.amp", "fmp", "fmp.autograd"} and all(len(h) == 3 for h in by_run.values())
+    assert by_run["fmp.autograd"] == by_run["torch.amp"]  # the recipe's own loop with fmp: bit for bit
     assert [s for _, s in by_run["fmp"]] == [s for _, s in by_run["torch.amp"]] == [2.0**17, 2.0**18, 2.0**19]
     for (fmp_loss, _), (amp_loss, _) in zip(by_run["fmp"], by_run["torch.amp"], strict=True):
         assert abs(fmp_loss - amp_loss) <= 3e-2 * abs(amp_loss)
-    assert "fmp / torch.amp time:" in result.stdout
+    assert "fmp / torch.amp time:" in result.stdout and "fmp.autograd / torch.amp:" in result.stdout
 
 
 @pytest.mark.compiled
