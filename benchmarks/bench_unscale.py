@@ -16,6 +16,11 @@ and each row prints its share of the copy's bandwidth and its time relative to t
   fmp GradientBuffer   the same gradients held as views into one flat buffer
                        (fmp.GradientBuffer), unscaled in place by its unscale_: one tensor, one pass
   torch kernels, flat  GradScaler's kernels on that flat buffer: what the layout alone gives them
+  fmp GradientBuffer, clipped
+                       its unscale_and_clip_: unscale, check, clip to a global norm, in two passes
+  torch.amp, clipped   GradScaler's kernels and torch.nn.utils.clip_grad_norm_ on the buffer's views
+                       (max_norm 1e9: the clip never binds, so repeated calls keep the values; both
+                       sides multiply by the clip factor all the same)
 
 Cases: 200 gradients of 262,144 float32, and the 291 parameter shapes of a 7B Llama-style model
 (full size on a GPU; each dimension divided by --shrink on CPU, 8 by default).
@@ -116,17 +121,40 @@ def copy_seconds(grads: Grads, reps: int) -> float:
     return median_seconds(lambda: torch._foreach_copy_(copies, grads), grads[0].device, reps)
 
 
-def gradient_buffer(grads: Grads) -> fmp.GradientBuffer:
-    """A GradientBuffer holding copies of `grads`, attached to parameters that take no memory.
+def gradient_buffer(grads: Grads) -> tuple[fmp.GradientBuffer, list[torch.Tensor]]:
+    """A GradientBuffer holding copies of `grads`, and the parameters it is attached to.
 
-    Each parameter is a scalar expanded to its gradient's shape: only the gradients matter here,
-    and 7B-shaped parameters would not fit on the GPU beside the gradients.
+    Each parameter is a scalar expanded to its gradient's shape, which takes no memory: only the
+    gradients matter here, and 7B-shaped parameters would not fit on the GPU beside them.
     """
     params = [torch.zeros((), device=g.device).expand(g.shape).requires_grad_() for g in grads]
     buffer = fmp.GradientBuffer.attach(params)
     for param, grad in zip(params, grads, strict=True):
         cast(torch.Tensor, param.grad).copy_(grad)
-    return buffer
+    return buffer, params
+
+
+def buffer_contenders(buffer: fmp.GradientBuffer, params: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
+    device = params[0].device
+    scaler = fmp.DynamicLossScale.create(1.0, device=device)  # scale 1: repeated calls keep the values
+    views = [cast(torch.Tensor, p.grad) for p in params]
+    unscale_views = torch_kernels(views)
+
+    def written() -> None:
+        # What a backward does between two unscales in training, at no cost: it marks the
+        # gradients written, so the buffer does not refuse them as unscaled already.
+        torch.autograd.graph.increment_version(list(buffer.flat()))
+
+    def torch_amp_clipped() -> None:
+        unscale_views()
+        torch.nn.utils.clip_grad_norm_(params, 1e9)
+
+    return {
+        "fmp GradientBuffer": lambda: (written(), buffer.unscale_(scaler)),
+        "torch kernels, flat": torch_kernels(list(buffer.flat())),
+        "fmp GradientBuffer, clipped": lambda: (written(), buffer.unscale_and_clip_(scaler, 1e9)),
+        "torch.amp, clipped": torch_amp_clipped,
+    }
 
 
 def run_case(name: str, shapes: list[tuple[int, ...]], device: torch.device, reps: int) -> None:
@@ -143,26 +171,20 @@ def run_case(name: str, shapes: list[tuple[int, ...]], device: torch.device, rep
     seconds = {"copy": copy_seconds(grads, reps)}
     seconds |= {label: median_seconds(fn, device, reps) for label, fn in contenders(grads).items()}
     check_agreement(grads, scale=3.0)
-    buffer = gradient_buffer(grads)
+    buffer, params = gradient_buffer(grads)
     del grads  # 7B-shaped gradients and their buffer both fit on the GPU, not a third copy
-    scaler = fmp.DynamicLossScale.create(1.0, device=device)  # scale 1: repeated calls keep the values
-
-    def unscale() -> None:
-        # What a backward does between two unscales in training, at no cost: it marks the
-        # gradients written, so unscale_ does not refuse them as unscaled already.
-        torch.autograd.graph.increment_version(list(buffer.flat()))
-        buffer.unscale_(scaler)
-
-    unscale()  # compiles for the flat buffers' shapes
-    seconds["fmp GradientBuffer"] = median_seconds(unscale, device, reps)
-    seconds["torch kernels, flat"] = median_seconds(torch_kernels(list(buffer.flat())), device, reps)
+    for label, fn in buffer_contenders(buffer, params).items():
+        fn()  # compiles for the flat buffers' shapes
+        seconds[label] = median_seconds(fn, device, reps)
     print(f"\n{name}: {len(shapes)} gradients, {moved / 2 / 1e9:.3f} GB float32")
     for label, t in seconds.items():
         print(
-            f"  {label:>23}: {t * 1e3:9.3f} ms  {moved / t / 1e9:8.1f} GB/s  "
+            f"  {label:>27}: {t * 1e3:9.3f} ms  {moved / t / 1e9:8.1f} GB/s  "
             f"{seconds['copy'] / t:6.1%} of copy  time ratio to torch kernels {t / seconds['torch kernels']:5.2f}"
         )
     print(f"  fmp fused: first call (compile) {compile_seconds:.1f} s, {kernels} kernels generated")
+    clipped = seconds["fmp GradientBuffer, clipped"] / seconds["torch.amp, clipped"]
+    print(f"  unscale and clip: fmp GradientBuffer / torch.amp time {clipped:.2f}")
 
 
 def main() -> None:

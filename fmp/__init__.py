@@ -8,7 +8,9 @@ from fmp.autocast_regions import fixed_dtype
 from fmp.autocast_regions import no_autocast
 from fmp.checkpoint import checkpoint_classes
 from fmp.fused import fused_unscale_and_adjust
+from fmp.fused import fused_unscale_clip_and_adjust
 from fmp.fused import unscale_and_adjust
+from fmp.fused import unscale_clip_and_adjust
 from fmp.grad import Gradients
 from fmp.grad import mixed_precision_grad
 from fmp.gradient_buffer import GradientBuffer
@@ -55,6 +57,7 @@ __all__ = [
     "checkpoint_classes",
     "fixed_dtype",
     "fused_unscale_and_adjust",
+    "fused_unscale_clip_and_adjust",
     "get_policy",
     "half_dtype",
     "mixed_precision_grad",
@@ -67,5 +70,6 @@ __all__ = [
     "stack_trees",
     "train_step",
     "unscale_and_adjust",
+    "unscale_clip_and_adjust",
     "unstack_tree",
 ]

@@ -15,22 +15,32 @@ read twice (the check, then the update).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 from typing import TypeVar
 from typing import cast
 
 import torch
+import torch.utils._pytree as pytree
 
 from fmp._checks import check_bool
+from fmp._checks import check_real
 from fmp.loss_scale import LossScale
 from fmp.loss_scale import check_scaler
+from fmp.optim.clip import global_norm_and_clip_factor
 from fmp.tree import all_finite
 from fmp.tree import donate_into
+from fmp.tree import is_inexact_tensor
 from fmp.tree import tree_accelerator_device
 from fmp.tree import tree_device
 
-__all__ = ["fused_unscale_and_adjust", "unscale_and_adjust"]
+__all__ = [
+    "fused_unscale_and_adjust",
+    "fused_unscale_clip_and_adjust",
+    "unscale_and_adjust",
+    "unscale_clip_and_adjust",
+]
 
 Tree = TypeVar("Tree")
 ScaleT = TypeVar("ScaleT", bound=LossScale)
@@ -100,21 +110,28 @@ def _combo_kernel_options() -> dict[str, Any]:
     return options
 
 
-def _inductor_options(device_type: str) -> dict[str, Any]:
+def _inductor_options(device_type: str, *, check_in_write_loop: bool) -> dict[str, Any]:
     if device_type == "cpu":
-        # realize_reads_threshold=1 realizes each unscaled gradient before its finite check reads
-        # it. Otherwise Inductor's C++ backend recomputes it from the scaled gradient inside the
-        # check's loop, and with donate=True that loop cannot also write in place: each gradient is
-        # read twice (200 x 1 MB: 1.7-2.0x torch's kernel). cpp_wrapper moves the per-gradient
-        # buffer and stride bookkeeping out of Python: 200 gradients cost ~1.8 ms a call, not ~2.6.
-        return {"realize_reads_threshold": 1, "cpp_wrapper": True}
+        # cpp_wrapper moves the per-gradient buffer and stride bookkeeping out of Python: 200
+        # gradients cost ~1.8 ms a call, not ~2.6.
+        options: dict[str, Any] = {"cpp_wrapper": True}
+        if check_in_write_loop:
+            # realize_reads_threshold=1 realizes each unscaled gradient before its finite check
+            # reads it. Otherwise Inductor's C++ backend recomputes it from the scaled gradient
+            # inside the check's loop, and with donate=True that loop cannot also write in place:
+            # each gradient is read twice (200 x 1 MB: 1.7-2.0x torch's kernel). Where the write
+            # must wait for a reduction over every gradient (the clip's norm), realizing would
+            # only add a temporary as large as the gradients.
+            options["realize_reads_threshold"] = 1
+        return options
     return _combo_kernel_options()
 
 
 @functools.cache
-def _compiled_unscale_and_adjust(device_type: str) -> Callable[..., Any]:
+def _compiled(function: Callable[..., Any], device_type: str, *, check_in_write_loop: bool) -> Callable[..., Any]:
     # Compiled lazily, on first use, so importing fmp does not load the compiler.
-    return torch.compile(unscale_and_adjust, fullgraph=True, options=_inductor_options(device_type))
+    options = _inductor_options(device_type, check_in_write_loop=check_in_write_loop)
+    return torch.compile(function, fullgraph=True, options=options)
 
 
 def fused_unscale_and_adjust(
@@ -143,6 +160,75 @@ def fused_unscale_and_adjust(
         TypeError, ValueError: As `unscale_and_adjust`, raised before compiling.
     """
     device = _check_arguments(scaler, scaled_grads, donate)  # here, so errors are not wrapped by Dynamo
-    compiled = _compiled_unscale_and_adjust(device.type)
+    compiled = _compiled(unscale_and_adjust, device.type, check_in_write_loop=True)
     result: tuple[Tree, torch.Tensor, ScaleT] = compiled(scaler, scaled_grads, donate=donate)
+    return result
+
+
+def unscale_clip_and_adjust(
+    scaler: ScaleT, scaled_grads: Tree, max_norm: float, *, donate: bool = False
+) -> tuple[Tree, torch.Tensor, torch.Tensor, ScaleT]:
+    """`unscale_and_adjust`, then the gradients clipped to a global L2 norm, as `clip_grad_norm_` clips.
+
+    GradScaler's `unscale_` followed by `torch.nn.utils.clip_grad_norm_(params, max_norm)` and
+    `update`, in one function: the norm is that of the unscaled gradients (the L2 norm of the
+    per-gradient L2 norms) and every gradient is multiplied by `min(max_norm / (norm + 1e-6), 1)`.
+    Compiled (`fused_unscale_clip_and_adjust`), that is two passes over the gradients (one reads
+    them for the finite check and the norm, one writes the clipped values) where torch.amp makes
+    five (unscale, norm, clip). Non-finite gradients give a non-finite norm and `grads_finite`
+    False; skip the step then.
+
+    Args:
+        scaler: The loss-scale state the gradients were computed with.
+        scaled_grads: A pytree of gradients of the scaled loss.
+        max_norm: The largest global norm let through, > 0.
+        donate: As `unscale_and_adjust`: compiled, the clipped values overwrite `scaled_grads`.
+
+    Returns:
+        `(grads, grads_finite, grad_norm, new_scaler)`: the unscaled, clipped gradients, the finite
+        flag, the global norm of the unscaled gradients before clipping (a 0-dim tensor, as
+        `clip_grad_norm_` returns it) and the adjusted scaler state.
+
+    Raises:
+        TypeError: If `scaler` is not an fmp loss-scale state, `donate` not a bool or `max_norm`
+            not a real number.
+        ValueError: As `unscale_and_adjust`, or if `max_norm` is not positive.
+    """
+    _check_arguments(scaler, scaled_grads, donate)
+    check_real("max_norm", max_norm, 0.0, math.inf, low_inclusive=False)
+    grads = scaler.unscale(scaled_grads)
+    grads_finite = all_finite(grads)
+    leaves = [g for g in pytree.tree_leaves(grads) if is_inexact_tensor(g)]
+    grad_norm, factor = global_norm_and_clip_factor(leaves, max_norm) if leaves else (torch.zeros(()), torch.ones(()))
+    clipped = pytree.tree_map(lambda g: g * factor.to(g.device) if is_inexact_tensor(g) else g, grads)
+    if donate:
+        clipped = donate_into(scaled_grads, clipped, "scaled_grads")
+    return clipped, grads_finite, grad_norm, cast(ScaleT, scaler.adjust(grads_finite))
+
+
+def fused_unscale_clip_and_adjust(
+    scaler: ScaleT, scaled_grads: Tree, max_norm: float, *, donate: bool = False
+) -> tuple[Tree, torch.Tensor, torch.Tensor, ScaleT]:
+    """`unscale_clip_and_adjust` compiled by `torch.compile(fullgraph=True)`: two passes over the gradients.
+
+    Compiles and recompiles as `fused_unscale_and_adjust` does, and once per value of `max_norm`
+    (a constant of the graph). Results equal the eager function's up to the order in which the
+    norm's sums are taken.
+
+    Args:
+        scaler: The loss-scale state the gradients were computed with.
+        scaled_grads: A pytree of gradients of the scaled loss.
+        max_norm: The largest global norm let through, > 0.
+        donate: Whether to write the clipped values into `scaled_grads`' buffers.
+
+    Returns:
+        `(grads, grads_finite, grad_norm, new_scaler)`, as `unscale_clip_and_adjust`.
+
+    Raises:
+        TypeError, ValueError: As `unscale_clip_and_adjust`, raised before compiling.
+    """
+    device = _check_arguments(scaler, scaled_grads, donate)
+    check_real("max_norm", max_norm, 0.0, math.inf, low_inclusive=False)
+    compiled = _compiled(unscale_clip_and_adjust, device.type, check_in_write_loop=False)
+    result: tuple[Tree, torch.Tensor, torch.Tensor, ScaleT] = compiled(scaler, scaled_grads, max_norm, donate=donate)
     return result

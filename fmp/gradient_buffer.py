@@ -19,6 +19,7 @@ from typing import TypeVar
 import torch
 
 from fmp.fused import fused_unscale_and_adjust
+from fmp.fused import fused_unscale_clip_and_adjust
 from fmp.loss_scale import LossScale
 from fmp.tree import _ROW_LENGTH
 from fmp.tree import check_finite_flag
@@ -246,24 +247,62 @@ class GradientBuffer:
 
         Raises:
             RuntimeError: As `flat`, if a `.grad` is no longer its view; or if nothing has written
-                the gradients since the last `unscale_` (they would be unscaled twice).
+                the gradients since the last `unscale_` or `unscale_and_clip_` (they would be
+                unscaled twice).
             TypeError, ValueError: As `fused_unscale_and_adjust`, for a wrong scaler or one on
                 another device than the gradients.
         """
+        buffers = self._unscalable_buffers()
+        unscaled, grads_finite, new_scaler = fused_unscale_and_adjust(scaler, buffers, donate=True)
+        self._write_back(buffers, unscaled)
+        return grads_finite, new_scaler
+
+    def unscale_and_clip_(self, scaler: ScaleT, max_norm: float) -> tuple[torch.Tensor, torch.Tensor, ScaleT]:
+        """`unscale_`, then every gradient clipped to a global L2 norm of `max_norm`, in place.
+
+        GradScaler's `unscale_`, `torch.nn.utils.clip_grad_norm_(params, max_norm)` and `update`
+        as one `fused_unscale_clip_and_adjust(scaler, self.flat(), max_norm, donate=True)`: two
+        passes over each buffer where torch.amp makes five. The norm is taken over the buffers
+        (the padding between views is zero, so it is the gradients' norm), in another order of
+        sums than `clip_grad_norm_`'s.
+
+        Args:
+            scaler: The loss-scale state the gradients were computed with.
+            max_norm: The largest global norm let through, > 0.
+
+        Returns:
+            `(grads_finite, grad_norm, new_scaler)`: the finite flag, the global norm of the
+            unscaled gradients before clipping (0-dim, on the device) and the adjusted scaler.
+
+        Raises:
+            RuntimeError, TypeError, ValueError: As `unscale_`, or if `max_norm` is not a positive
+                real number.
+        """
+        buffers = self._unscalable_buffers()
+        clipped, grads_finite, grad_norm, new_scaler = fused_unscale_clip_and_adjust(
+            scaler, buffers, max_norm, donate=True
+        )
+        self._write_back(buffers, clipped)
+        return grads_finite, grad_norm, new_scaler
+
+    def _unscalable_buffers(self) -> tuple[torch.Tensor, ...]:
         buffers = self.flat()
         # Views share their base's version counter, so a backward or a zeroing since the last
-        # unscale_ shows as a new version.
+        # unscale shows as a new version.
         if self._versions_at_unscale == tuple(buffer._version for buffer in buffers):
             raise RuntimeError(
-                "unscale_ was already called on these gradients: nothing has written them since, so they "
-                "would be unscaled twice; zero_() and run a backward first"
+                "the gradients were already unscaled: nothing has written them since, so they would be "
+                "unscaled twice; zero_() and run a backward first"
             )
-        unscaled, grads_finite, new_scaler = fused_unscale_and_adjust(scaler, buffers, donate=True)
-        for buffer, values in zip(buffers, unscaled, strict=True):
+        return buffers
+
+    def _write_back(self, buffers: tuple[torch.Tensor, ...], results: tuple[torch.Tensor, ...]) -> None:
+        # Compiled, the results are the buffers (donated); where the compiled function fell back to
+        # eager they are new tensors.
+        for buffer, values in zip(buffers, results, strict=True):
             if values.data_ptr() != buffer.data_ptr():
                 buffer.copy_(values)
         self._versions_at_unscale = tuple(buffer._version for buffer in buffers)
-        return grads_finite, new_scaler
 
     def step(self, optimizer: torch.optim.Optimizer, grads_finite: torch.Tensor) -> None:
         """Takes `optimizer`'s step, which leaves params and state unchanged where `grads_finite` is False.

@@ -12,7 +12,25 @@ from fmp._checks import check_real
 from fmp.optim._base import Optimizer
 from fmp.tree import is_inexact_tensor
 
-__all__ = ["clip_by_global_norm"]
+__all__ = ["clip_by_global_norm", "global_norm_and_clip_factor"]
+
+
+def global_norm_and_clip_factor(leaves: list[torch.Tensor], max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.nn.utils.clip_grad_norm_`'s arithmetic: the global L2 norm and the factor that clips to `max_norm`.
+
+    The global norm is the L2 norm of the per-leaf L2 norms (gathered on the first leaf's device),
+    and the factor `min(max_norm / (norm + 1e-6), 1)`, a 0-dim tensor: nothing syncs with the host.
+
+    Args:
+        leaves: A non-empty list of gradient tensors.
+        max_norm: The largest global norm let through (checked by the caller).
+
+    Returns:
+        `(norm, factor)`, both 0-dim tensors on the first leaf's device.
+    """
+    norms = torch.stack([torch.linalg.vector_norm(g, 2).to(leaves[0].device) for g in leaves])
+    norm = torch.linalg.vector_norm(norms, 2)
+    return norm, torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
 def clip_by_global_norm(optimizer: Optimizer, max_norm: float) -> Optimizer:
@@ -42,8 +60,7 @@ def clip_by_global_norm(optimizer: Optimizer, max_norm: float) -> Optimizer:
         leaves = [g for g in pytree.tree_leaves(grads) if is_inexact_tensor(g)]
         if not leaves:
             return optimizer.update(grads, state, params)
-        norms = torch.stack([torch.linalg.vector_norm(g, 2).to(leaves[0].device) for g in leaves])
-        factor = torch.clamp(max_norm / (torch.linalg.vector_norm(norms, 2) + 1e-6), max=1.0)
+        _, factor = global_norm_and_clip_factor(leaves, max_norm)
         clipped = pytree.tree_map(lambda g: g * factor.to(g.device) if is_inexact_tensor(g) else g, grads)
         return optimizer.update(clipped, state, params)
 
