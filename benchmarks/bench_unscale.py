@@ -135,6 +135,7 @@ def gradient_buffer(grads: Grads) -> tuple[fmp.GradientBuffer, list[torch.Tensor
 
 
 def buffer_contenders(buffer: fmp.GradientBuffer, params: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
+    """The rows timed on the buffer: fmp's unscale and unscale-and-clip, torch's on the same bytes."""
     device = params[0].device
     scaler = fmp.DynamicLossScale.create(1.0, device=device)  # scale 1: repeated calls keep the values
     views = [cast(torch.Tensor, p.grad) for p in params]

@@ -1,15 +1,16 @@
-"""The scaler's per-step work, unscale, finite check and scale update, as one pure function.
+"""The scaler's per-step work, unscale, finite check and scale update (and clipping), as pure functions.
 
 `unscale_and_adjust` is what a training step does between backward and the optimizer, for
-gradients computed outside fmp's step. Eager, it runs as a handful of torch ops per gradient;
-`fused_unscale_and_adjust` is the same function compiled by `torch.compile(fullgraph=True)`, which
-makes one pass per gradient: read it, write the unscaled values, and reduce the finite flag in the
-same loop. On GPUs each gradient is reduced row by row in that pass, every gradient's row flags meet
-in one final reduction that also moves the scale, and combo kernels group the passes into a few
-launches; on CPUs each unscaled gradient is realized once, so that with donation the in-place write
-and the check share one loop. Inside a compiled `fmp.train_step` the unscale has no pass of its own:
-it folds into the optimizer's kernels, no unscaled gradient is written out, and the gradients are
-read twice (the check, then the update).
+gradients computed outside fmp's step; `unscale_clip_and_adjust` also clips them to a global norm
+as `clip_grad_norm_` does. Eager, they run as a handful of torch ops per gradient; their `fused_`
+forms are the same functions compiled by `torch.compile(fullgraph=True)`. The fused unscale makes
+one pass per gradient: read it, write the unscaled values, and reduce the finite flag in the same
+loop. On GPUs each gradient is reduced row by row in that pass, every gradient's row flags meet in
+one final reduction that also moves the scale, and combo kernels group the passes into a few
+launches; on CPUs each unscaled gradient is realized once, so that with donation the in-place
+write and the check share one loop. Inside a compiled `fmp.train_step` the unscale has no pass of
+its own: it folds into the optimizer's kernels, no unscaled gradient is written out, and the
+gradients are read twice (the check, then the update).
 """
 
 from __future__ import annotations
@@ -165,29 +166,54 @@ def fused_unscale_and_adjust(
     return result
 
 
+def _unscale_clip_and_adjust(
+    scaler: ScaleT, scaled_grads: Tree, max_norm: float, donate: bool
+) -> tuple[Tree, torch.Tensor, torch.Tensor, ScaleT]:
+    # No argument checks here: compiled, max_norm may be a symbolic float, which they cannot read.
+    grads = scaler.unscale(scaled_grads)
+    grads_finite = all_finite(grads)
+    grad_norm, factor = global_norm_and_clip_factor(
+        [g for g in pytree.tree_leaves(grads) if is_inexact_tensor(g)], max_norm
+    )
+    clipped = pytree.tree_map(lambda g: g * factor.to(g.device) if is_inexact_tensor(g) else g, grads)
+    if donate:
+        clipped = donate_into(scaled_grads, clipped, "scaled_grads")
+    return clipped, grads_finite, grad_norm, cast(ScaleT, scaler.adjust(grads_finite))
+
+
+def _check_max_norm(max_norm: Any) -> float:
+    return check_real("max_norm", max_norm, 0.0, math.inf, low_inclusive=False, high_inclusive=True)
+
+
 def unscale_clip_and_adjust(
     scaler: ScaleT, scaled_grads: Tree, max_norm: float, *, donate: bool = False
 ) -> tuple[Tree, torch.Tensor, torch.Tensor, ScaleT]:
     """`unscale_and_adjust`, then the gradients clipped to a global L2 norm, as `clip_grad_norm_` clips.
 
-    GradScaler's `unscale_` followed by `torch.nn.utils.clip_grad_norm_(params, max_norm)` and
-    `update`, in one function: the norm is that of the unscaled gradients (the L2 norm of the
-    per-gradient L2 norms) and every gradient is multiplied by `min(max_norm / (norm + 1e-6), 1)`.
-    Compiled (`fused_unscale_clip_and_adjust`), that is two passes over the gradients (one reads
-    them for the finite check and the norm, one writes the clipped values) where torch.amp makes
-    five (unscale, norm, clip). Non-finite gradients give a non-finite norm and `grads_finite`
-    False; skip the step then.
+    GradScaler's `unscale_` followed by `torch.nn.utils.clip_grad_norm_(params, max_norm)` (with
+    `error_if_nonfinite=False`, since raising would read the norm on the host) and `update`, in
+    one function: the norm is that of the unscaled gradients, the L2 norm of the per-gradient L2
+    norms (float16 gradients' norms taken in float32, so a large norm does not overflow to inf and
+    zero every gradient), and every gradient is multiplied by `min(max_norm / (norm + 1e-6), 1)`.
+    On CPU the results equal GradScaler's kernel then `clip_grad_norm_` bit for bit (for float16
+    gradients, which GradScaler refuses, the norm is more accurate). Compiled
+    (`fused_unscale_clip_and_adjust`) the gradients are traversed three times (read for the finite
+    check and the norm, then read and written clipped) where torch.amp traverses them five times
+    (unscale: read and write; norm: read; clip: read and write). Non-finite gradients give a
+    non-finite norm and `grads_finite` False: skip the step then.
 
     Args:
         scaler: The loss-scale state the gradients were computed with.
         scaled_grads: A pytree of gradients of the scaled loss.
-        max_norm: The largest global norm let through, > 0.
+        max_norm: The largest global norm let through, > 0 (`inf` clips nothing and only
+            measures the norm, as with `clip_grad_norm_`).
         donate: As `unscale_and_adjust`: compiled, the clipped values overwrite `scaled_grads`.
 
     Returns:
         `(grads, grads_finite, grad_norm, new_scaler)`: the unscaled, clipped gradients, the finite
         flag, the global norm of the unscaled gradients before clipping (a 0-dim tensor, as
-        `clip_grad_norm_` returns it) and the adjusted scaler state.
+        `clip_grad_norm_` returns it; 0 for a tree without floating gradients) and the adjusted
+        scaler state.
 
     Raises:
         TypeError: If `scaler` is not an fmp loss-scale state, `donate` not a bool or `max_norm`
@@ -195,15 +221,7 @@ def unscale_clip_and_adjust(
         ValueError: As `unscale_and_adjust`, or if `max_norm` is not positive.
     """
     _check_arguments(scaler, scaled_grads, donate)
-    check_real("max_norm", max_norm, 0.0, math.inf, low_inclusive=False)
-    grads = scaler.unscale(scaled_grads)
-    grads_finite = all_finite(grads)
-    leaves = [g for g in pytree.tree_leaves(grads) if is_inexact_tensor(g)]
-    grad_norm, factor = global_norm_and_clip_factor(leaves, max_norm) if leaves else (torch.zeros(()), torch.ones(()))
-    clipped = pytree.tree_map(lambda g: g * factor.to(g.device) if is_inexact_tensor(g) else g, grads)
-    if donate:
-        clipped = donate_into(scaled_grads, clipped, "scaled_grads")
-    return clipped, grads_finite, grad_norm, cast(ScaleT, scaler.adjust(grads_finite))
+    return _unscale_clip_and_adjust(scaler, scaled_grads, _check_max_norm(max_norm), donate)
 
 
 def fused_unscale_clip_and_adjust(
@@ -211,15 +229,18 @@ def fused_unscale_clip_and_adjust(
 ) -> tuple[Tree, torch.Tensor, torch.Tensor, ScaleT]:
     """`unscale_clip_and_adjust` compiled by `torch.compile(fullgraph=True)`: two passes over the gradients.
 
-    Compiles and recompiles as `fused_unscale_and_adjust` does, and once per value of `max_norm`
-    (a constant of the graph). Results equal the eager function's up to the order in which the
-    norm's sums are taken.
+    Compiles and recompiles as `fused_unscale_and_adjust` does. The first `max_norm` is a constant
+    of the graph; a call with another value recompiles once, with `max_norm` an input, and later
+    values reuse that graph. In float32 results equal the eager function's up to the order in
+    which the norm's sums are taken; in 16-bit dtypes Inductor may also skip the rounding of the
+    unscaled values before the clip multiplies them.
 
     Args:
         scaler: The loss-scale state the gradients were computed with.
         scaled_grads: A pytree of gradients of the scaled loss.
         max_norm: The largest global norm let through, > 0.
-        donate: Whether to write the clipped values into `scaled_grads`' buffers.
+        donate: Whether to write the clipped values into `scaled_grads`' buffers; the caller must
+            not read `scaled_grads` afterwards.
 
     Returns:
         `(grads, grads_finite, grad_norm, new_scaler)`, as `unscale_clip_and_adjust`.
@@ -228,7 +249,7 @@ def fused_unscale_clip_and_adjust(
         TypeError, ValueError: As `unscale_clip_and_adjust`, raised before compiling.
     """
     device = _check_arguments(scaler, scaled_grads, donate)
-    check_real("max_norm", max_norm, 0.0, math.inf, low_inclusive=False)
-    compiled = _compiled(unscale_clip_and_adjust, device.type, check_in_write_loop=False)
-    result: tuple[Tree, torch.Tensor, torch.Tensor, ScaleT] = compiled(scaler, scaled_grads, max_norm, donate=donate)
+    max_norm = _check_max_norm(max_norm)
+    compiled = _compiled(_unscale_clip_and_adjust, device.type, check_in_write_loop=False)
+    result: tuple[Tree, torch.Tensor, torch.Tensor, ScaleT] = compiled(scaler, scaled_grads, max_norm, donate)
     return result

@@ -261,14 +261,14 @@ class GradientBuffer:
         """`unscale_`, then every gradient clipped to a global L2 norm of `max_norm`, in place.
 
         GradScaler's `unscale_`, `torch.nn.utils.clip_grad_norm_(params, max_norm)` and `update`
-        as one `fused_unscale_clip_and_adjust(scaler, self.flat(), max_norm, donate=True)`: two
-        passes over each buffer where torch.amp makes five. The norm is taken over the buffers
-        (the padding between views is zero, so it is the gradients' norm), in another order of
-        sums than `clip_grad_norm_`'s.
+        as one `fused_unscale_clip_and_adjust(scaler, self.flat(), max_norm, donate=True)`: each
+        buffer is read twice and written once, where torch.amp reads and writes the gradients five
+        times. The norm is taken over the buffers (the padding between views is zero, so it is
+        the gradients' norm), in another order of sums than `clip_grad_norm_`'s.
 
         Args:
             scaler: The loss-scale state the gradients were computed with.
-            max_norm: The largest global norm let through, > 0.
+            max_norm: The largest global norm let through, > 0 (`inf` only measures the norm).
 
         Returns:
             `(grads_finite, grad_norm, new_scaler)`: the finite flag, the global norm of the

@@ -215,3 +215,19 @@ def test_gradient_buffer_loop_matches_grad_scaler_with_fused_adamw_and_never_syn
         assert float(scaler.loss_scale) == grad_scaler.get_scale()
     for param, reference in zip(ours.parameters(), theirs.parameters(), strict=True):
         torch.testing.assert_close(param, reference, rtol=0, atol=0)
+
+
+@pytest.mark.compiled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_unscale_and_clip_matches_eager(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    grads = [(torch.randn(shape, generator=gen) * 3000).to(dtype).to(CUDA) for shape in [(3,), (4097,), (33, 17)]]
+    scaler = fmp.DynamicLossScale.create(init_scale=1024.0, device=CUDA)
+    eager = fmp.unscale_clip_and_adjust(scaler, grads, 1.0)
+    donated = [g.clone() for g in grads]
+    fused = fmp.fused_unscale_clip_and_adjust(scaler, donated, 1.0, donate=True)
+    assert all(ours.data_ptr() == buffer.data_ptr() for ours, buffer in zip(fused[0], donated, strict=True))
+    assert_trees_close(fused[0], eager[0], **TOLERANCES[dtype])
+    assert_trees_close(fused[2], eager[2], **TOLERANCES[dtype])
+    assert bool(fused[1]) and bool(eager[1])
+    assert_trees_bitwise_equal(fused[3], eager[3])

@@ -11,6 +11,7 @@ from conftest import TOLERANCES
 from conftest import assert_trees_bitwise_equal
 from conftest import bits
 from torch import nn
+from torch._dynamo.utils import counters
 
 import fmp
 
@@ -29,7 +30,8 @@ def torch_amp_reference(grads: list[torch.Tensor], max_norm: float) -> tuple[lis
         param.grad = grad.clone()
     found_inf = torch.zeros(1)
     inverse = torch.full((1,), SCALE, dtype=torch.float64).reciprocal().float()
-    torch._amp_foreach_non_finite_check_and_unscale_([p.grad for p in params], found_inf, inverse)
+    for param in params:  # one call per gradient, as the kernel takes one dtype at a time
+        torch._amp_foreach_non_finite_check_and_unscale_([param.grad], found_inf, inverse)
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     return [p.grad for p in params if p.grad is not None], norm, float(found_inf) == 0.0
 
@@ -49,12 +51,48 @@ def test_matches_grad_scaler_then_clip_grad_norm_bit_for_bit(
     assert_trees_bitwise_equal(new_scaler, fmp.unscale_and_adjust(scaler, grads)[2])
 
 
+def test_mixed_dtypes_match_clip_grad_norm_s_grouping_bit_for_bit() -> None:
+    """torch takes the norms group by group of dtype; interleaved leaves must come out the same."""
+    grads = scaled_grads(torch.float32, 3.0)
+    grads[1] = grads[1].to(torch.bfloat16)
+    grads.append(scaled_grads(torch.bfloat16, 2.0)[0])
+    clipped, _, grad_norm, _ = fmp.unscale_clip_and_adjust(fmp.DynamicLossScale.create(SCALE), grads, 1.0)
+    reference, reference_norm, _ = torch_amp_reference(grads, 1.0)
+    assert_trees_bitwise_equal(clipped, reference)
+    assert torch.equal(bits(grad_norm), bits(reference_norm))
+
+
 def test_the_norm_and_the_clip_act_on_the_unscaled_gradients() -> None:
     grads = scaled_grads(torch.float32, 10.0)  # scaled norm ~ 2**10 * 10 * 18: the clip must see ~180
-    _, _, grad_norm, _ = fmp.unscale_clip_and_adjust(fmp.StaticLossScale.create(SCALE), grads, 1.0)
+    clipped, _, grad_norm, _ = fmp.unscale_clip_and_adjust(fmp.StaticLossScale.create(SCALE), grads, 1.0)
     unscaled = [g / SCALE for g in grads]
     expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in unscaled]))
     torch.testing.assert_close(grad_norm, expected, **TOLERANCES[torch.float32])
+    factor = 1.0 / (float(expected) + 1e-6)
+    torch.testing.assert_close(list(clipped), [g * factor for g in unscaled], **TOLERANCES[torch.float32])
+
+
+def test_a_float16_norm_beyond_its_range_does_not_zero_the_gradients() -> None:
+    grads = [torch.full((4096,), 2048.0, dtype=torch.float16)]  # norm 131072, past float16's 65504
+    clipped, grads_finite, grad_norm, _ = fmp.unscale_clip_and_adjust(fmp.NoOpLossScale(), grads, 1.0)
+    assert bool(grads_finite) and float(grad_norm) == 131072.0
+    assert bool((clipped[0] > 0).all())  # torch's float16 norm would be inf and the factor 0
+
+
+def test_integer_and_missing_leaves_pass_through_and_an_empty_tree_has_norm_zero() -> None:
+    grads = {"w": scaled_grads(torch.float32, 1.0)[0], "count": torch.tensor([3, 4]), "none": None}
+    clipped, grads_finite, _, _ = fmp.unscale_clip_and_adjust(fmp.DynamicLossScale.create(SCALE), grads, 1.0)
+    assert clipped["count"] is grads["count"] and clipped["none"] is None and bool(grads_finite)
+    _, empty_finite, empty_norm, _ = fmp.unscale_clip_and_adjust(fmp.DynamicLossScale.create(SCALE), [], 1.0)
+    assert bool(empty_finite) and float(empty_norm) == 0.0
+
+
+def test_an_infinite_max_norm_measures_without_clipping() -> None:
+    grads = scaled_grads(torch.float32, 10.0)
+    scaler = fmp.DynamicLossScale.create(SCALE)
+    clipped, _, grad_norm, _ = fmp.unscale_clip_and_adjust(scaler, grads, math.inf)
+    assert_trees_bitwise_equal(clipped, fmp.unscale_and_adjust(scaler, grads)[0])
+    assert float(grad_norm) > 1.0
 
 
 def test_non_finite_gradients_back_the_scale_off_and_give_a_non_finite_norm() -> None:
@@ -69,7 +107,7 @@ def test_non_finite_gradients_back_the_scale_off_and_give_a_non_finite_norm() ->
 @pytest.mark.parametrize(
     ("max_norm", "error", "message"),
     [
-        (0.0, ValueError, r"max_norm must be in \(0.0, inf\), got 0.0"),
+        (0.0, ValueError, r"max_norm must be in \(0.0, inf\], got 0.0"),
         (math.nan, ValueError, "max_norm"),
         ("1", TypeError, "max_norm"),
     ],
@@ -82,20 +120,24 @@ def test_a_bad_max_norm_is_named(max_norm: Any, error: type[Exception], message:
 
 
 @pytest.mark.compiled
-def test_fused_form_clips_in_place_as_the_eager_one_does() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_form_clips_in_place_as_the_eager_one_does_and_compiles_at_most_twice(dtype: torch.dtype) -> None:
     torch._dynamo.reset()
+    counters.clear()
     scaler = fmp.DynamicLossScale.create(SCALE)
-    for magnitude in (10.0, 0.01):  # the clip binds, then not: one graph for both
-        grads = scaled_grads(torch.float32, magnitude)
-        eager = fmp.unscale_clip_and_adjust(scaler, grads, 1.0)
+    # The clip binds at magnitude 10, then not; a second max_norm makes it an input of the graph.
+    for magnitude, max_norm in [(10.0, 1.0), (0.01, 1.0), (10.0, 2.0), (10.0, 0.5), (10.0, 3)]:
+        grads = scaled_grads(dtype, magnitude)
+        eager = fmp.unscale_clip_and_adjust(scaler, grads, max_norm)
         donated = [g.clone() for g in grads]
-        fused = fmp.fused_unscale_clip_and_adjust(scaler, donated, 1.0, donate=True)
+        fused = fmp.fused_unscale_clip_and_adjust(scaler, donated, max_norm, donate=True)
         for ours, buffer in zip(fused[0], donated, strict=True):
             assert ours.data_ptr() == buffer.data_ptr()  # written into the donated gradients
-        torch.testing.assert_close(list(fused[0]), list(eager[0]), **TOLERANCES[torch.float32])
-        torch.testing.assert_close(fused[2], eager[2], **TOLERANCES[torch.float32])
+        torch.testing.assert_close(list(fused[0]), list(eager[0]), **TOLERANCES[dtype])
+        torch.testing.assert_close(fused[2], eager[2], **TOLERANCES[dtype])
         assert bool(fused[1]) and bool(eager[1])
         assert_trees_bitwise_equal(fused[3], eager[3])
+    assert counters["stats"]["unique_graphs"] == 2
 
 
 @pytest.mark.compiled

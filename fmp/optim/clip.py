@@ -18,27 +18,41 @@ __all__ = ["clip_by_global_norm", "global_norm_and_clip_factor"]
 def global_norm_and_clip_factor(leaves: list[torch.Tensor], max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
     """`torch.nn.utils.clip_grad_norm_`'s arithmetic: the global L2 norm and the factor that clips to `max_norm`.
 
-    The global norm is the L2 norm of the per-leaf L2 norms (gathered on the first leaf's device),
-    and the factor `min(max_norm / (norm + 1e-6), 1)`, a 0-dim tensor: nothing syncs with the host.
+    As torch does, the leaves' L2 norms are taken group by group of (device, dtype), in order of
+    each group's first leaf, gathered on the first leaf's device, and reduced to their L2 norm;
+    the factor is `min(max_norm / (norm + 1e-6), 1)`, a 0-dim tensor. Unlike torch, a float16
+    leaf's norm is taken in float32, where it cannot overflow. Nothing syncs with the host unless
+    the first leaf is on the CPU and a later one on an accelerator (its norm is copied back).
 
     Args:
-        leaves: A non-empty list of gradient tensors.
-        max_norm: The largest global norm let through (checked by the caller).
+        leaves: Gradient tensors (floating or complex); an empty list has norm 0 and factor 1.
+        max_norm: The largest global norm let through, checked by the caller.
 
     Returns:
         `(norm, factor)`, both 0-dim tensors on the first leaf's device.
     """
-    norms = torch.stack([torch.linalg.vector_norm(g, 2).to(leaves[0].device) for g in leaves])
-    norm = torch.linalg.vector_norm(norms, 2)
+    if not leaves:
+        return torch.zeros(()), torch.ones(())
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for leaf in leaves:
+        groups.setdefault((leaf.device, leaf.dtype), []).append(leaf)
+    device = leaves[0].device
+    norms = [
+        torch.linalg.vector_norm(g, 2, dtype=torch.float32 if g.dtype == torch.float16 else None).to(device)
+        for group in groups.values()
+        for g in group
+    ]
+    norm = torch.linalg.vector_norm(torch.stack(norms), 2)
     return norm, torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
 def clip_by_global_norm(optimizer: Optimizer, max_norm: float) -> Optimizer:
     """Wraps `optimizer` so that its update sees gradients clipped to a global L2 norm of `max_norm`.
 
-    The arithmetic is `torch.nn.utils.clip_grad_norm_`'s: the global norm is the L2 norm of the
-    per-gradient L2 norms, and every gradient is multiplied by `min(max_norm / (norm + 1e-6), 1)`,
-    a tensor, so nothing syncs with the host. Inside `fmp.train_step` the optimizer receives
+    The arithmetic is `torch.nn.utils.clip_grad_norm_`'s (`global_norm_and_clip_factor`): the
+    global norm is the L2 norm of the per-gradient L2 norms (float16 ones taken in float32), and
+    every gradient is multiplied by `min(max_norm / (norm + 1e-6), 1)`, a tensor, so nothing syncs
+    with the host. Inside `fmp.train_step` the optimizer receives
     unscaled gradients, so the norm is the true one: there is no `unscale_` to call first, and no
     error for calling it twice. Non-finite gradients give a non-finite norm; the step skips them.
 
