@@ -23,16 +23,14 @@ from typing import TypeVar
 from typing import cast
 
 import torch
-import torch.utils._pytree as pytree
 
 from fmp._checks import check_bool
 from fmp._checks import check_real
 from fmp.loss_scale import LossScale
 from fmp.loss_scale import check_scaler
-from fmp.optim.clip import global_norm_and_clip_factor
+from fmp.optim.clip import clip_tree_by_global_norm
 from fmp.tree import all_finite
 from fmp.tree import donate_into
-from fmp.tree import is_inexact_tensor
 from fmp.tree import tree_accelerator_device
 from fmp.tree import tree_device
 
@@ -172,10 +170,7 @@ def _unscale_clip_and_adjust(
     # No argument checks here: compiled, max_norm may be a symbolic float, which they cannot read.
     grads = scaler.unscale(scaled_grads)
     grads_finite = all_finite(grads)
-    grad_norm, factor = global_norm_and_clip_factor(
-        [g for g in pytree.tree_leaves(grads) if is_inexact_tensor(g)], max_norm
-    )
-    clipped = pytree.tree_map(lambda g: g * factor.to(g.device) if is_inexact_tensor(g) else g, grads)
+    clipped, grad_norm = clip_tree_by_global_norm(grads, max_norm)
     if donate:
         clipped = donate_into(scaled_grads, clipped, "scaled_grads")
     return clipped, grads_finite, grad_norm, cast(ScaleT, scaler.adjust(grads_finite))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 from typing import Any
+from typing import TypeVar
+from typing import cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -12,25 +14,13 @@ from fmp._checks import check_real
 from fmp.optim._base import Optimizer
 from fmp.tree import is_inexact_tensor
 
-__all__ = ["clip_by_global_norm", "global_norm_and_clip_factor"]
+__all__ = ["clip_by_global_norm", "clip_tree_by_global_norm"]
+
+Tree = TypeVar("Tree")
 
 
-def global_norm_and_clip_factor(leaves: list[torch.Tensor], max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`torch.nn.utils.clip_grad_norm_`'s arithmetic: the global L2 norm and the factor that clips to `max_norm`.
-
-    As torch does, the leaves' L2 norms are taken group by group of (device, dtype), in order of
-    each group's first leaf, gathered on the first leaf's device, and reduced to their L2 norm;
-    the factor is `min(max_norm / (norm + 1e-6), 1)`, a 0-dim tensor. Unlike torch, a float16
-    leaf's norm is taken in float32, where it cannot overflow. Nothing syncs with the host unless
-    the first leaf is on the CPU and a later one on an accelerator (its norm is copied back).
-
-    Args:
-        leaves: Gradient tensors (floating or complex); an empty list has norm 0 and factor 1.
-        max_norm: The largest global norm let through, checked by the caller.
-
-    Returns:
-        `(norm, factor)`, both 0-dim tensors on the first leaf's device.
-    """
+def _global_norm_and_clip_factor(leaves: list[torch.Tensor], max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global L2 norm of `leaves` (an empty list's is 0) and the factor that clips them to `max_norm`."""
     if not leaves:
         return torch.zeros(()), torch.ones(())
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -46,10 +36,33 @@ def global_norm_and_clip_factor(leaves: list[torch.Tensor], max_norm: float) -> 
     return norm, torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
+def clip_tree_by_global_norm(grads: Tree, max_norm: float) -> tuple[Tree, torch.Tensor]:
+    """Clips a pytree as `clip_grad_norm_` does: every gradient times `min(max_norm / (norm + 1e-6), 1)`.
+
+    As torch does, the leaves' L2 norms are taken group by group of (device, dtype), in order of
+    each group's first leaf, gathered on the first leaf's device, and reduced to their L2 norm.
+    Unlike torch, a float16 leaf's norm is taken in float32, where it cannot overflow. The factor
+    is a 0-dim tensor: nothing syncs with the host unless the first leaf is on the CPU and a later
+    one on an accelerator (its norm is copied back).
+
+    Args:
+        grads: A pytree of gradients; leaves that are not floating or complex tensors pass through.
+        max_norm: The largest global norm let through, checked by the caller.
+
+    Returns:
+        `(clipped, norm)`: the clipped tree and the global norm before clipping (0-dim; 0 for a
+        tree without floating gradients).
+    """
+    leaves = [g for g in pytree.tree_leaves(grads) if is_inexact_tensor(g)]
+    norm, factor = _global_norm_and_clip_factor(leaves, max_norm)
+    clipped = pytree.tree_map(lambda g: g * factor.to(g.device) if is_inexact_tensor(g) else g, grads)
+    return cast(Tree, clipped), norm
+
+
 def clip_by_global_norm(optimizer: Optimizer, max_norm: float) -> Optimizer:
     """Wraps `optimizer` so that its update sees gradients clipped to a global L2 norm of `max_norm`.
 
-    The arithmetic is `torch.nn.utils.clip_grad_norm_`'s (`global_norm_and_clip_factor`): the
+    The arithmetic is `torch.nn.utils.clip_grad_norm_`'s (`clip_tree_by_global_norm`): the
     global norm is the L2 norm of the per-gradient L2 norms (float16 ones taken in float32), and
     every gradient is multiplied by `min(max_norm / (norm + 1e-6), 1)`, a tensor, so nothing syncs
     with the host. Inside `fmp.train_step` the optimizer receives
@@ -71,11 +84,7 @@ def clip_by_global_norm(optimizer: Optimizer, max_norm: float) -> Optimizer:
     max_norm = check_real("max_norm", max_norm, 0.0, math.inf, low_inclusive=False)
 
     def update(grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
-        leaves = [g for g in pytree.tree_leaves(grads) if is_inexact_tensor(g)]
-        if not leaves:
-            return optimizer.update(grads, state, params)
-        _, factor = global_norm_and_clip_factor(leaves, max_norm)
-        clipped = pytree.tree_map(lambda g: g * factor.to(g.device) if is_inexact_tensor(g) else g, grads)
+        clipped, _ = clip_tree_by_global_norm(grads, max_norm)
         return optimizer.update(clipped, state, params)
 
     return Optimizer(optimizer.init, update)
