@@ -10,14 +10,23 @@ prints the median time per step and its ratio to the torch.amp row with the same
   fmp eager sgd              fmp.train_step, eager
   fmp compiled sgd           fmp.train_step under torch.compile(fullgraph=True)
   fmp donated sgd / adamw    the same with donate=True: the update is written into the old buffers
+  fmp planned sgd            donated, compiled with Inductor's memory_planning (CPU only): one
+                             allocation per step for all temporaries, which glibc keeps between steps
+  fmp buffer sgd             the torch.amp sgd loop with fmp's scaler: a GradientBuffer holds the
+                             gradients, unscale_ checks them in one compiled pass, a fused SGD skips
   fmp cuda-graph sgd         donated, mode="reduce-overhead": the whole step replayed as a CUDA graph
+
+On CPU each row also prints the minor page faults per step: a step that frees more memory than
+glibc keeps (its trim threshold) gets fresh, zeroed pages from the kernel on its next allocation,
+one fault per 4 KiB page. With --isolate each contender runs in a process of its own, as a training
+run would, instead of sharing one malloc with the others (whose frees change its faults).
 
 Peak memory is the contender's state kept between steps (params, optimizer state, scaler) plus the
 most a step allocates on top of it: from torch.cuda's allocator statistics on a GPU; on CPU from the
 process's peak resident size (VmHWM) in a subprocess whose malloc returns every large block to
 the system (MALLOC_MMAP_THRESHOLD_), so resident size follows live tensors.
 
-    python benchmarks/bench_step.py [--device cuda] [--steps 20 --rounds 5]
+    python benchmarks/bench_step.py [--device cuda] [--setting cpu-machinery] [--isolate] [--steps 20 --rounds 5]
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import functools
 import gc
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -42,7 +52,7 @@ from _common import describe_machine
 from _common import synchronize
 from _common import tree_bytes
 from torch import nn
-from torch._dynamo.testing import CompileCounterWithBackend
+from torch._inductor.compile_fx import compile_fx
 
 import fmp
 
@@ -74,8 +84,20 @@ class Contender:
     step: Callable[[torch.Tensor, torch.Tensor], None]
     state: Callable[[], Any]  # what the contender keeps between steps
     compiled: bool = False
-    counter: CompileCounterWithBackend | None = None  # counts the graphs Dynamo compiles (default mode)
+    counter: InductorCounter | None = None  # counts the graphs Dynamo compiles (default mode)
     warm_up_seconds: float = 0.0  # the first 3 steps, compile and CUDA-graph recording included
+
+
+class InductorCounter:
+    """A torch.compile backend: Inductor with `options`, counting the graphs it is handed."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.options = options
+        self.frame_count = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        self.frame_count += 1
+        return compile_fx(gm, example_inputs, config_patches=self.options)
 
 
 def torch_contender(model: nn.Module, setting: Setting, family: str, *, amp: bool) -> Contender:
@@ -99,7 +121,35 @@ def torch_contender(model: nn.Module, setting: Setting, family: str, *, amp: boo
     return Contender(family, step, lambda: (list(model.parameters()), optimizer.state))
 
 
-def fmp_contender(model: nn.Module, setting: Setting, family: str, *, mode: str | None, donate: bool) -> Contender:
+def buffer_contender(model: nn.Module, setting: Setting) -> Contender:
+    """The torch.nn loop of torch_contender with fmp's scaler and a GradientBuffer, stepping a fused SGD."""
+    device_type = next(model.parameters()).device.type
+    grads = fmp.GradientBuffer.attach(model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, fused=True)  # fused: it skips on the device
+    scaler = fmp.DynamicLossScale.create(device=device_type)
+    autocast = setting.dtype != torch.float32
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        nonlocal scaler
+        with torch.autocast(device_type, dtype=setting.dtype, enabled=autocast):
+            loss = nn.functional.mse_loss(model(x), y)
+        scaler.scale(loss).backward()
+        grads_finite, scaler = grads.unscale_(scaler)
+        grads.step(optimizer, grads_finite)
+        grads.zero_()
+
+    return Contender("sgd", step, lambda: (list(model.parameters()), grads.flat(), scaler), compiled=True)
+
+
+def fmp_contender(
+    model: nn.Module,
+    setting: Setting,
+    family: str,
+    *,
+    mode: str | None,
+    donate: bool,
+    options: dict[str, Any] | None = None,
+) -> Contender:
     def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)).float(), y.float())
 
@@ -110,7 +160,7 @@ def fmp_contender(model: nn.Module, setting: Setting, family: str, *, mode: str 
     )
     counter = None
     if mode == "default":
-        counter = CompileCounterWithBackend("inductor")
+        counter = InductorCounter(options or {})
         train_step = torch.compile(train_step, backend=counter, fullgraph=True)
     elif mode is not None:
         train_step = torch.compile(train_step, mode=mode, fullgraph=True)
@@ -127,7 +177,8 @@ def fmp_contender(model: nn.Module, setting: Setting, family: str, *, mode: str 
     return Contender(family, step, lambda: state, compiled=mode is not None, counter=counter)
 
 
-def build_contenders(setting: Setting, device: torch.device) -> dict[str, Contender]:
+def contender_builders(setting: Setting, device: torch.device) -> dict[str, Callable[[], Contender]]:
+    """Each contender's constructor, so that a process can build only the one it times."""
     torch.manual_seed(0)
     initial = make_model(setting.width, 3).state_dict()
 
@@ -136,18 +187,29 @@ def build_contenders(setting: Setting, device: torch.device) -> dict[str, Conten
         fresh.load_state_dict(initial)
         return fresh.to(device)
 
-    contenders = {
-        "fp32": torch_contender(model(), setting, "sgd", amp=False),
-        "torch.amp sgd": torch_contender(model(), setting, "sgd", amp=True),
-        "torch.amp adamw(fused)": torch_contender(model(), setting, "adamw", amp=True),
-        "fmp eager sgd": fmp_contender(model(), setting, "sgd", mode=None, donate=False),
-        "fmp compiled sgd": fmp_contender(model(), setting, "sgd", mode="default", donate=False),
-        "fmp donated sgd": fmp_contender(model(), setting, "sgd", mode="default", donate=True),
-        "fmp donated adamw": fmp_contender(model(), setting, "adamw", mode="default", donate=True),
+    builders: dict[str, Callable[[], Contender]] = {
+        "fp32": lambda: torch_contender(model(), setting, "sgd", amp=False),
+        "torch.amp sgd": lambda: torch_contender(model(), setting, "sgd", amp=True),
+        "torch.amp adamw(fused)": lambda: torch_contender(model(), setting, "adamw", amp=True),
+        "fmp eager sgd": lambda: fmp_contender(model(), setting, "sgd", mode=None, donate=False),
+        "fmp compiled sgd": lambda: fmp_contender(model(), setting, "sgd", mode="default", donate=False),
+        "fmp donated sgd": lambda: fmp_contender(model(), setting, "sgd", mode="default", donate=True),
+        "fmp donated adamw": lambda: fmp_contender(model(), setting, "adamw", mode="default", donate=True),
+        "fmp buffer sgd": lambda: buffer_contender(model(), setting),
     }
+    if device.type == "cpu":
+        builders["fmp planned sgd"] = lambda: fmp_contender(
+            model(), setting, "sgd", mode="default", donate=True, options={"memory_planning": True}
+        )
     if device.type == "cuda":
-        contenders["fmp cuda-graph sgd"] = fmp_contender(model(), setting, "sgd", mode="reduce-overhead", donate=True)
-    return contenders
+        builders["fmp cuda-graph sgd"] = lambda: fmp_contender(
+            model(), setting, "sgd", mode="reduce-overhead", donate=True
+        )
+    return builders
+
+
+def build_contenders(setting: Setting, device: torch.device) -> dict[str, Contender]:
+    return {label: build() for label, build in contender_builders(setting, device).items()}
 
 
 def make_data(setting: Setting, device: torch.device, steps: int) -> list[Batch]:
@@ -167,12 +229,50 @@ def warm_up(contenders: dict[str, Contender], batch: Batch, device: torch.device
         contender.warm_up_seconds = time.perf_counter() - start
 
 
-def time_steps(step: Callable[[torch.Tensor, torch.Tensor], None], data: list[Batch], device: torch.device) -> float:
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    seconds: float  # per step
+    faults: float  # minor page faults per step: fresh pages the kernel mapped for this process
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def time_steps(step: Callable[[torch.Tensor, torch.Tensor], None], data: list[Batch], device: torch.device) -> Timing:
+    faults = _minor_faults()
     start = time.perf_counter()
     for x, y in data:
         step(x, y)
     synchronize(device)
-    return (time.perf_counter() - start) / len(data)
+    return Timing((time.perf_counter() - start) / len(data), (_minor_faults() - faults) / len(data))
+
+
+def time_probe(key: str, label: str, steps: int) -> dict[str, Any]:
+    """Runs in a subprocess of its own: one contender's warm-up and one timed round."""
+    device = torch.device("cpu")
+    contender = contender_builders(SETTINGS[key], device)[label]()  # the only model in this process
+    data = make_data(SETTINGS[key], device, steps)
+    warm_up({label: contender}, data[0], device)
+    timing = time_steps(contender.step, data, device)
+    graphs = contender.counter.frame_count if contender.counter else None
+    return {"seconds": timing.seconds, "faults": timing.faults, "warm_up": contender.warm_up_seconds, "graphs": graphs}
+
+
+def isolated_timings(key: str, labels: list[str], steps: int, rounds: int) -> dict[str, list[dict[str, Any]]]:
+    """Times each contender in a process of its own, the processes taking turns round by round.
+
+    A CPU step's allocations are served by the process's malloc, whose state (what it kept, what
+    it returned to the system) depends on everything the process allocated before: contenders
+    sharing a process change each other's page faults.
+    """
+    timings: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
+    for _ in range(rounds):
+        for label in labels:
+            command = [sys.executable, __file__, "--time-probe", key, label, "--steps", str(steps)]
+            out = subprocess.run(command, check=True, capture_output=True, text=True)
+            timings[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return timings
 
 
 def gpu_peak_bytes(contender: Contender, batch: Batch, device: torch.device) -> int:
@@ -223,35 +323,49 @@ def cpu_peaks(key: str) -> dict[str, int]:
     return peaks
 
 
-def run_setting(key: str, device: torch.device, steps: int, rounds: int) -> None:
+def run_setting(key: str, device: torch.device, steps: int, rounds: int, *, isolate: bool) -> None:
     setting = SETTINGS[key]
     torch._dynamo.reset()  # graphs compiled for another setting would count as recompiles here
     contenders = build_contenders(setting, device)
-    data = make_data(setting, device, steps)
-    warm_up(contenders, data[0], device)
-    times: dict[str, list[float]] = {label: [] for label in contenders}
-    for _ in range(rounds):
+    times: dict[str, list[Timing]] = {label: [] for label in contenders}
+    compiles: dict[str, str] = {}
+    if isolate:
+        for label, runs in isolated_timings(key, list(contenders), steps, rounds).items():
+            times[label] = [Timing(run["seconds"], run["faults"]) for run in runs]
+            if contenders[label].compiled:
+                warm_up_seconds = statistics.median(run["warm_up"] for run in runs)
+                graphs = "-" if runs[0]["graphs"] is None else runs[0]["graphs"]
+                compiles[label] = f"{warm_up_seconds:5.1f} s / {graphs}"
+    else:
+        data = make_data(setting, device, steps)
+        warm_up(contenders, data[0], device)
+        for _ in range(rounds):
+            for label, contender in contenders.items():
+                times[label].append(time_steps(contender.step, data, device))
         for label, contender in contenders.items():
-            times[label].append(time_steps(contender.step, data, device))
+            if contender.compiled:
+                graphs = contender.counter.frame_count if contender.counter else "-"
+                compiles[label] = f"{contender.warm_up_seconds:5.1f} s / {graphs}"
     if device.type == "cuda":
+        data = make_data(setting, device, 1)
         peaks = {label: gpu_peak_bytes(c, data[0], device) for label, c in contenders.items()}
     else:
         peaks = cpu_peaks(key)
     reference = {"sgd": "torch.amp sgd", "adamw": "torch.amp adamw(fused)"}
     dtype = str(setting.dtype).removeprefix("torch.")
     shape = f"3 x Linear({setting.width}), batch {setting.batch}"
-    print(f"\n{setting.name}: {shape}, compute {dtype}, {steps} steps x {rounds} rounds")
-    print(f"  {'contender':>22}  {'ms/step':>9}  {'time ratio':>10}  {'peak MB':>8}  {'mem ratio':>9}  warm-up, graphs")
+    how = "each contender in a process of its own" if isolate else "contenders sharing one process"
+    print(f"\n{setting.name}: {shape}, compute {dtype}, {steps} steps x {rounds} rounds, {how}")
+    columns = f"{'ms/step':>9}  {'time ratio':>10}  {'faults/step':>11}  {'peak MB':>8}  {'mem ratio':>9}"
+    print(f"  {'contender':>22}  {columns}  warm-up, graphs")
     for label, contender in contenders.items():
         ref = reference[contender.family]
-        median, ref_median = statistics.median(times[label]), statistics.median(times[ref])
-        compiled = ""
-        if contender.compiled:
-            graphs = contender.counter.frame_count if contender.counter else "-"
-            compiled = f"{contender.warm_up_seconds:5.1f} s / {graphs}"
+        median = statistics.median(t.seconds for t in times[label])
+        ref_median = statistics.median(t.seconds for t in times[ref])
+        faults = statistics.median(t.faults for t in times[label])
         print(
-            f"  {label:>22}  {median * 1e3:9.3f}  {median / ref_median:10.2f}  "
-            f"{peaks[label] / 1e6:8.1f}  {peaks[label] / peaks[ref]:9.2f}  {compiled}"
+            f"  {label:>22}  {median * 1e3:9.3f}  {median / ref_median:10.2f}  {faults:11.0f}  "
+            f"{peaks[label] / 1e6:8.1f}  {peaks[label] / peaks[ref]:9.2f}  {compiles.get(label, '')}"
         )
 
 
@@ -260,17 +374,29 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--setting", choices=sorted(SETTINGS), help="run this setting only")
+    parser.add_argument(
+        "--isolate", action="store_true", help="CPU: time each contender in a process of its own (see isolated_timings)"
+    )
     parser.add_argument("--memory-probe", choices=sorted(SETTINGS), help=argparse.SUPPRESS)
+    parser.add_argument("--time-probe", nargs=2, metavar=("SETTING", "CONTENDER"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_probe:
         print(json.dumps(memory_probe(SETTINGS[args.memory_probe])))
         return
+    if args.time_probe:
+        print(json.dumps(time_probe(*args.time_probe, args.steps)))
+        return
+    if args.isolate and args.device != "cpu":
+        parser.error("--isolate times CPU runs (a GPU's caching allocator keeps its memory between steps)")
     device = torch.device(args.device)
     print(describe_machine(device))
     print("ratios: time and peak memory over the torch.amp row with the same optimizer (sgd or adamw)")
     keys = ["gpu-seed"] if device.type == "cuda" else ["cpu-matmul", "cpu-machinery"]
+    if args.setting:
+        keys = [args.setting]
     for key in keys:
-        run_setting(key, device, args.steps, args.rounds)
+        run_setting(key, device, args.steps, args.rounds, isolate=args.isolate)
 
 
 if __name__ == "__main__":

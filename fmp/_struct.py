@@ -16,12 +16,13 @@ import optree
 import torch.utils._pytree as torch_pytree
 from typing_extensions import dataclass_transform
 
-__all__ = ["OPTREE_NAMESPACE", "pytree_dataclass", "static_field"]
+__all__ = ["OPTREE_NAMESPACE", "pytree_dataclass", "replace", "static_field"]
 
 OPTREE_NAMESPACE = "fmp"
 """The optree namespace fmp's state classes are registered under: `optree.tree_flatten(x, namespace=...)`."""
 
 _STATIC = "fmp_static"
+_FIELD_NAMES = "__fmp_field_names__"
 
 T = TypeVar("T")
 
@@ -29,6 +30,20 @@ T = TypeVar("T")
 def static_field(**kwargs: Any) -> Any:
     """Declares a dataclass field that is configuration: kept in the treespec, never a leaf."""
     return dataclasses.field(metadata={_STATIC: True}, **kwargs)
+
+
+def replace(obj: T, **changes: Any) -> T:
+    """A copy of the `pytree_dataclass` instance `obj` with the fields in `changes` replaced.
+
+    The same as `dataclasses.replace`, which a traced step must not call: Dynamo guards on every
+    entry of the class's `__dataclass_fields__` it reads (about 85 guards for the scaler alone,
+    evaluated on every call of a compiled step); this reads one tuple of names.
+    """
+    names: tuple[str, ...] = getattr(type(obj), _FIELD_NAMES)
+    unknown = sorted(set(changes) - set(names))
+    if unknown:
+        raise TypeError(f"{type(obj).__name__} has no fields {unknown}; its fields are {list(names)}")
+    return type(obj)(**{name: changes[name] if name in changes else getattr(obj, name) for name in names})
 
 
 @dataclass_transform(frozen_default=True, eq_default=False, field_specifiers=(dataclasses.field, static_field))
@@ -44,6 +59,7 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
     fields = dataclasses.fields(data_cls)  # type: ignore[arg-type]
     leaf_names = tuple(f.name for f in fields if not f.metadata.get(_STATIC, False))
     static_names = tuple(f.name for f in fields if f.metadata.get(_STATIC, False))
+    setattr(data_cls, _FIELD_NAMES, tuple(f.name for f in fields))
 
     def flatten(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
         return [getattr(obj, n) for n in leaf_names], tuple(getattr(obj, n) for n in static_names)

@@ -7,7 +7,6 @@ stays fixed inside a window, so every micro-batch's gradients are unscaled by th
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 from typing import NamedTuple
 
@@ -16,6 +15,7 @@ import torch.utils._pytree as pytree
 
 from fmp._checks import check_int
 from fmp._struct import pytree_dataclass
+from fmp._struct import replace
 from fmp._struct import static_field
 from fmp.grad import ScalerTree
 from fmp.tree import tree_device
@@ -112,7 +112,7 @@ class GradientAccumulator:
         micro_steps = self.micro_steps + 1
         window_ends = micro_steps >= self.steps
         mean = pytree.tree_map(lambda total, g: (total / self.steps).to(g.dtype), sums, grads)
-        reset = dataclasses.replace(
+        reset = replace(
             self,
             micro_steps=torch.where(window_ends, 0, micro_steps),
             grads=pytree.tree_map(lambda total: torch.where(window_ends, 0.0, total), sums),

@@ -6,7 +6,6 @@ Every dynamic value is a 0-dim tensor leaf; hyperparameters are static fields ke
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 from collections.abc import Mapping
@@ -20,6 +19,7 @@ import torch.utils._pytree as pytree
 from fmp._checks import check_int
 from fmp._checks import check_real
 from fmp._struct import pytree_dataclass
+from fmp._struct import replace
 from fmp._struct import static_field
 from fmp.tree import check_finite_flag
 from fmp.tree import is_inexact_tensor
@@ -287,7 +287,7 @@ class DynamicLossScale(_TensorScale):
         backed_off = (scale64 * self.backoff_factor).float()
         new_scale = torch.where(grow, grown, torch.where(back_off, backed_off, scale))
         zero = torch.zeros_like(tracker)
-        return dataclasses.replace(
+        return replace(
             self,
             loss_scale=new_scale.clamp(self.min_scale, self.max_scale),
             growth_tracker=torch.where(grads_finite & ~grow, tracker, zero),
@@ -366,7 +366,7 @@ class DynamicLossScale(_TensorScale):
         tracker = check_int("_growth_tracker", state_dict["_growth_tracker"], 0, scaler.growth_interval - 1)
         streak = check_int("overflow_streak", state_dict.get("overflow_streak", 0), 0, _INT32_MAX)
         like = scaler.growth_tracker
-        return dataclasses.replace(
+        return replace(
             scaler,
             growth_tracker=torch.tensor(tracker, dtype=like.dtype, device=like.device),
             overflow_streak=torch.tensor(streak, dtype=like.dtype, device=like.device),

@@ -13,9 +13,11 @@ from conftest import torch_grad_scaler
 from hypothesis import assume
 from hypothesis import given
 from hypothesis import strategies as st
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 import fmp
 from fmp import DynamicLossScale
+from fmp._struct import replace
 
 TINY = torch.finfo(torch.float32).tiny
 INF = float("inf")
@@ -216,6 +218,28 @@ def test_pytree_round_trips_keep_every_field(base: fmp.DynamicLossScale, min_sca
                 assert torch.equal(ours, theirs) and ours.dtype == theirs.dtype
             else:
                 assert ours == theirs and type(ours) is type(theirs)
+
+
+def test_replace_copies_the_other_fields_and_names_unknown_ones() -> None:
+    state = fmp.DynamicLossScale.create(hysteresis=2)
+    scale = torch.tensor(4.0)
+    ours, theirs = replace(state, loss_scale=scale), dataclasses.replace(state, loss_scale=scale)
+    assert type(ours) is DynamicLossScale
+    assert all(getattr(ours, f.name) is getattr(theirs, f.name) for f in dataclasses.fields(state))
+    with pytest.raises(TypeError, match=r"DynamicLossScale has no fields \['scale'\]"):
+        replace(state, scale=scale)
+
+
+def test_compiled_adjust_does_not_guard_on_dataclass_internals() -> None:
+    # Dynamo evaluates every guard on every call of a compiled step; dataclasses.replace would add
+    # one for each entry of __dataclass_fields__ it reads.
+    def adjust(scaler: fmp.DynamicLossScale, grads_finite: torch.Tensor) -> fmp.DynamicLossScale:
+        return scaler.adjust(grads_finite)
+
+    torch.compile(adjust, backend="eager", fullgraph=True)(fmp.DynamicLossScale.create(), torch.tensor(True))
+    (entry,) = _debug_get_cache_entry_list(adjust.__code__)
+    guards = str(entry.guard_manager)
+    assert "loss_scale" in guards and "__dataclass_fields__" not in guards
 
 
 def test_static_and_noop_states() -> None:
