@@ -13,20 +13,26 @@ prints the median time per step and its ratio to the torch.amp row with the same
   fmp planned sgd            donated, compiled with Inductor's memory_planning (CPU only): one
                              allocation per step for all temporaries, which glibc keeps between steps
   fmp buffer sgd             the torch.amp sgd loop with fmp's scaler: a GradientBuffer holds the
-                             gradients, unscale_ checks them in one compiled pass, a fused SGD skips
+                             gradients, unscale_ checks them in one compiled pass, and a fused SGD
+                             skips an overflowed step on the device
   fmp cuda-graph sgd         donated, mode="reduce-overhead": the whole step replayed as a CUDA graph
 
-On CPU each row also prints the minor page faults per step: a step that frees more memory than
-glibc keeps (its trim threshold) gets fresh, zeroed pages from the kernel on its next allocation,
-one fault per 4 KiB page. With --isolate each contender runs in a process of its own, as a training
-run would, instead of sharing one malloc with the others (whose frees change its faults).
+Each row also prints the process's minor page faults per step (on CPU, where they matter): glibc
+returns a freed block to the kernel when it is above its mmap threshold, or when it leaves more
+than its trim threshold free at the top of the heap, and the next step that allocates that memory
+gets fresh zeroed pages, one fault per 4 KiB. With --isolate (CPU) each contender is timed in a
+process of its own that builds only its own model, as a training run has its malloc to itself,
+instead of sharing one malloc with the others (whose frees change its faults); warm-up times are
+then medians over fresh processes, which may find Inductor's on-disk cache warm. --only times the
+named contenders (and the torch.amp rows their ratios need).
 
 Peak memory is the contender's state kept between steps (params, optimizer state, scaler) plus the
 most a step allocates on top of it: from torch.cuda's allocator statistics on a GPU; on CPU from the
 process's peak resident size (VmHWM) in a subprocess whose malloc returns every large block to
 the system (MALLOC_MMAP_THRESHOLD_), so resident size follows live tensors.
 
-    python benchmarks/bench_step.py [--device cuda] [--setting cpu-machinery] [--isolate] [--steps 20 --rounds 5]
+    python benchmarks/bench_step.py [--device cuda] [--setting cpu-machinery] [--isolate] [--only LABEL ...]
+                                    [--steps 20 --rounds 5]
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from seed_recipe import make_model
 
 LR = 1e-3
+REFERENCE = {"sgd": "torch.amp sgd", "adamw": "torch.amp adamw(fused)"}  # the row each family's ratios divide by
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -89,14 +97,18 @@ class Contender:
 
 
 class InductorCounter:
-    """A torch.compile backend: Inductor with `options`, counting the graphs it is handed."""
+    """A torch.compile backend: Inductor with `options`, counting the graphs it is handed.
+
+    A frame compiles once per count, except where Dynamo restarts its analysis of a frame (to
+    specialize a float it first traced as a symbol): the backend is then handed the frame twice.
+    """
 
     def __init__(self, options: dict[str, Any]) -> None:
         self.options = options
-        self.frame_count = 0
+        self.graphs = 0
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., Any]:
-        self.frame_count += 1
+        self.graphs += 1
         return compile_fx(gm, example_inputs, config_patches=self.options)
 
 
@@ -150,6 +162,10 @@ def fmp_contender(
     donate: bool,
     options: dict[str, Any] | None = None,
 ) -> Contender:
+    """fmp.train_step; `options` are Inductor's, for mode="default" (the counted backend) only."""
+    if options is not None and mode != "default":
+        raise ValueError(f"options are for mode='default', not mode={mode!r}")
+
     def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)).float(), y.float())
 
@@ -208,8 +224,9 @@ def contender_builders(setting: Setting, device: torch.device) -> dict[str, Call
     return builders
 
 
-def build_contenders(setting: Setting, device: torch.device) -> dict[str, Contender]:
-    return {label: build() for label, build in contender_builders(setting, device).items()}
+def build_contenders(setting: Setting, device: torch.device, labels: list[str]) -> dict[str, Contender]:
+    """The contenders named in `labels`, in the order `contender_builders` lists them."""
+    return {label: build() for label, build in contender_builders(setting, device).items() if label in labels}
 
 
 def make_data(setting: Setting, device: torch.device, steps: int) -> list[Batch]:
@@ -231,11 +248,14 @@ def warm_up(contenders: dict[str, Contender], batch: Batch, device: torch.device
 
 @dataclasses.dataclass(frozen=True)
 class Timing:
+    """One timed round of a contender."""
+
     seconds: float  # per step
     faults: float  # minor page faults per step: fresh pages the kernel mapped for this process
 
 
 def _minor_faults() -> int:
+    """Page faults this process took that needed no disk read: fresh pages the kernel zeroed for it."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
@@ -255,8 +275,16 @@ def time_probe(key: str, label: str, steps: int) -> dict[str, Any]:
     data = make_data(SETTINGS[key], device, steps)
     warm_up({label: contender}, data[0], device)
     timing = time_steps(contender.step, data, device)
-    graphs = contender.counter.frame_count if contender.counter else None
+    graphs = contender.counter.graphs if contender.counter else None
     return {"seconds": timing.seconds, "faults": timing.faults, "warm_up": contender.warm_up_seconds, "graphs": graphs}
+
+
+def _run_probe(command: list[str], env: Mapping[str, str]) -> Any:
+    """Runs a probe subprocess and returns the JSON on its last line of output."""
+    out = subprocess.run(command, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def isolated_timings(key: str, labels: list[str], steps: int, rounds: int) -> dict[str, list[dict[str, Any]]]:
@@ -270,8 +298,7 @@ def isolated_timings(key: str, labels: list[str], steps: int, rounds: int) -> di
     for _ in range(rounds):
         for label in labels:
             command = [sys.executable, __file__, "--time-probe", key, label, "--steps", str(steps)]
-            out = subprocess.run(command, check=True, capture_output=True, text=True)
-            timings[label].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            timings[label].append(_run_probe(command, os.environ))
     return timings
 
 
@@ -301,10 +328,10 @@ def cpu_peak_bytes(contender: Contender, batch: Batch) -> int:
     return tree_bytes(contender.state()) + (_resident_kib("VmHWM") - before) * 1024
 
 
-def memory_probe(setting: Setting) -> dict[str, int]:
+def memory_probe(setting: Setting, labels: list[str]) -> dict[str, int]:
     """Runs in a subprocess on CPU: each contender's peak bytes, measured one after another."""
     device = torch.device("cpu")
-    contenders = build_contenders(setting, device)
+    contenders = build_contenders(setting, device, labels)
     batch = make_data(setting, device, 1)[0]
     peaks = {}
     for label, contender in contenders.items():
@@ -314,19 +341,24 @@ def memory_probe(setting: Setting) -> dict[str, int]:
     return peaks
 
 
-def cpu_peaks(key: str) -> dict[str, int]:
+def cpu_peaks(key: str, labels: list[str]) -> dict[str, int]:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    out = subprocess.run(
-        [sys.executable, __file__, "--memory-probe", key], env=env, check=True, capture_output=True, text=True
-    )
-    peaks: dict[str, int] = json.loads(out.stdout.strip().splitlines()[-1])
+    peaks: dict[str, int] = _run_probe([sys.executable, __file__, "--memory-probe", key, *labels], env)
     return peaks
 
 
-def run_setting(key: str, device: torch.device, steps: int, rounds: int, *, isolate: bool) -> None:
+def run_setting(
+    key: str, device: torch.device, steps: int, rounds: int, *, isolate: bool, only: list[str] | None
+) -> None:
     setting = SETTINGS[key]
     torch._dynamo.reset()  # graphs compiled for another setting would count as recompiles here
-    contenders = build_contenders(setting, device)
+    labels = list(contender_builders(setting, device))
+    if only:
+        unknown = sorted(set(only) - set(labels))
+        if unknown:
+            raise SystemExit(f"--only: no contenders {unknown} on {device.type}; there are {labels}")
+        labels = [label for label in labels if label in {*only, *REFERENCE.values()}]
+    contenders = build_contenders(setting, device, labels)
     times: dict[str, list[Timing]] = {label: [] for label in contenders}
     compiles: dict[str, str] = {}
     if isolate:
@@ -334,7 +366,8 @@ def run_setting(key: str, device: torch.device, steps: int, rounds: int, *, isol
             times[label] = [Timing(run["seconds"], run["faults"]) for run in runs]
             if contenders[label].compiled:
                 warm_up_seconds = statistics.median(run["warm_up"] for run in runs)
-                graphs = "-" if runs[0]["graphs"] is None else runs[0]["graphs"]
+                counts = {run["graphs"] for run in runs}  # every round's, so a recompile in any shows
+                graphs = "-" if counts == {None} else "/".join(str(count) for count in sorted(counts))
                 compiles[label] = f"{warm_up_seconds:5.1f} s / {graphs}"
     else:
         data = make_data(setting, device, steps)
@@ -344,14 +377,13 @@ def run_setting(key: str, device: torch.device, steps: int, rounds: int, *, isol
                 times[label].append(time_steps(contender.step, data, device))
         for label, contender in contenders.items():
             if contender.compiled:
-                graphs = contender.counter.frame_count if contender.counter else "-"
+                graphs = contender.counter.graphs if contender.counter else "-"
                 compiles[label] = f"{contender.warm_up_seconds:5.1f} s / {graphs}"
     if device.type == "cuda":
         data = make_data(setting, device, 1)
         peaks = {label: gpu_peak_bytes(c, data[0], device) for label, c in contenders.items()}
     else:
-        peaks = cpu_peaks(key)
-    reference = {"sgd": "torch.amp sgd", "adamw": "torch.amp adamw(fused)"}
+        peaks = cpu_peaks(key, labels)
     dtype = str(setting.dtype).removeprefix("torch.")
     shape = f"3 x Linear({setting.width}), batch {setting.batch}"
     how = "each contender in a process of its own" if isolate else "contenders sharing one process"
@@ -359,7 +391,7 @@ def run_setting(key: str, device: torch.device, steps: int, rounds: int, *, isol
     columns = f"{'ms/step':>9}  {'time ratio':>10}  {'faults/step':>11}  {'peak MB':>8}  {'mem ratio':>9}"
     print(f"  {'contender':>22}  {columns}  warm-up, graphs")
     for label, contender in contenders.items():
-        ref = reference[contender.family]
+        ref = REFERENCE[contender.family]
         median = statistics.median(t.seconds for t in times[label])
         ref_median = statistics.median(t.seconds for t in times[ref])
         faults = statistics.median(t.faults for t in times[label])
@@ -378,17 +410,19 @@ def main() -> None:
     parser.add_argument(
         "--isolate", action="store_true", help="CPU: time each contender in a process of its own (see isolated_timings)"
     )
-    parser.add_argument("--memory-probe", choices=sorted(SETTINGS), help=argparse.SUPPRESS)
+    parser.add_argument("--only", nargs="+", metavar="LABEL", help="time these contenders (and their torch.amp rows)")
+    parser.add_argument("--memory-probe", nargs="+", metavar=("SETTING", "LABEL"), help=argparse.SUPPRESS)
     parser.add_argument("--time-probe", nargs=2, metavar=("SETTING", "CONTENDER"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_probe:
-        print(json.dumps(memory_probe(SETTINGS[args.memory_probe])))
+        key, *labels = args.memory_probe
+        print(json.dumps(memory_probe(SETTINGS[key], labels)))
         return
     if args.time_probe:
         print(json.dumps(time_probe(*args.time_probe, args.steps)))
         return
-    if args.isolate and args.device != "cpu":
-        parser.error("--isolate times CPU runs (a GPU's caching allocator keeps its memory between steps)")
+    if args.isolate and torch.device(args.device).type != "cpu":
+        parser.error("--isolate times CPU runs: add --device cpu (a GPU's caching allocator keeps its memory)")
     device = torch.device(args.device)
     print(describe_machine(device))
     print("ratios: time and peak memory over the torch.amp row with the same optimizer (sgd or adamw)")
@@ -396,7 +430,7 @@ def main() -> None:
     if args.setting:
         keys = [args.setting]
     for key in keys:
-        run_setting(key, device, args.steps, args.rounds, isolate=args.isolate)
+        run_setting(key, device, args.steps, args.rounds, isolate=args.isolate, only=args.only)
 
 
 if __name__ == "__main__":

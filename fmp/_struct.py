@@ -22,7 +22,7 @@ OPTREE_NAMESPACE = "fmp"
 """The optree namespace fmp's state classes are registered under: `optree.tree_flatten(x, namespace=...)`."""
 
 _STATIC = "fmp_static"
-_FIELD_NAMES = "__fmp_field_names__"
+_FIELD_NAMES = "_fmp_field_names"
 
 T = TypeVar("T")
 
@@ -33,13 +33,26 @@ def static_field(**kwargs: Any) -> Any:
 
 
 def replace(obj: T, **changes: Any) -> T:
-    """A copy of the `pytree_dataclass` instance `obj` with the fields in `changes` replaced.
+    """A copy of a `pytree_dataclass` instance with some fields replaced, as `dataclasses.replace`.
 
-    The same as `dataclasses.replace`, which a traced step must not call: Dynamo guards on every
-    entry of the class's `__dataclass_fields__` it reads (about 85 guards for the scaler alone,
-    evaluated on every call of a compiled step); this reads one tuple of names.
+    Traced code must not call `dataclasses.replace`: Dynamo guards on every entry of the class's
+    `__dataclass_fields__` it reads, and evaluates those guards on every call of a compiled step.
+    This reads one tuple of field names.
+
+    Args:
+        obj: An instance of a class decorated with `pytree_dataclass` (not of a subclass of one).
+        **changes: New values by field name.
+
+    Returns:
+        A new instance of `type(obj)`.
+
+    Raises:
+        TypeError: If `obj`'s class is not a `pytree_dataclass`, or a name in `changes` is not a field.
     """
-    names: tuple[str, ...] = getattr(type(obj), _FIELD_NAMES)
+    # (class, field names): a subclass inherits the attribute but not its fields.
+    owner, names = getattr(type(obj), _FIELD_NAMES, (None, ()))
+    if owner is not type(obj):
+        raise TypeError(f"replace() takes an instance of a pytree_dataclass, got {type(obj).__qualname__}")
     unknown = sorted(set(changes) - set(names))
     if unknown:
         raise TypeError(f"{type(obj).__name__} has no fields {unknown}; its fields are {list(names)}")
@@ -57,9 +70,12 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
     # batched states); identity equality and hashing stay consistent.
     data_cls = dataclasses.dataclass(frozen=True, eq=False)(cls)
     fields = dataclasses.fields(data_cls)  # type: ignore[arg-type]
+    not_in_init = [f.name for f in fields if not f.init]
+    if not_in_init:  # unflattening passes every field to the constructor
+        raise TypeError(f"pytree_dataclass {cls.__qualname__}: fields {not_in_init} must not be init=False")
     leaf_names = tuple(f.name for f in fields if not f.metadata.get(_STATIC, False))
     static_names = tuple(f.name for f in fields if f.metadata.get(_STATIC, False))
-    setattr(data_cls, _FIELD_NAMES, tuple(f.name for f in fields))
+    setattr(data_cls, _FIELD_NAMES, (data_cls, tuple(f.name for f in fields)))
 
     def flatten(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
         return [getattr(obj, n) for n in leaf_names], tuple(getattr(obj, n) for n in static_names)

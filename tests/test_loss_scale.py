@@ -13,10 +13,10 @@ from conftest import torch_grad_scaler
 from hypothesis import assume
 from hypothesis import given
 from hypothesis import strategies as st
-from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 import fmp
 from fmp import DynamicLossScale
+from fmp._struct import pytree_dataclass
 from fmp._struct import replace
 
 TINY = torch.finfo(torch.float32).tiny
@@ -230,9 +230,31 @@ def test_replace_copies_the_other_fields_and_names_unknown_ones() -> None:
         replace(state, scale=scale)
 
 
+def test_replace_refuses_what_is_not_a_pytree_dataclass() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Extended(fmp.StaticLossScale):  # a subclass that pytree_dataclass did not register
+        note: str = "kept by dataclasses.replace"
+
+    extended = Extended(torch.tensor(2.0), note="mine")
+    for obj in (extended, (torch.tensor(1.0),)):
+        with pytest.raises(TypeError, match="replace\\(\\) takes an instance of a pytree_dataclass"):
+            replace(obj, loss_scale=torch.tensor(1.0))
+
+
+def test_pytree_dataclass_refuses_fields_left_out_of_init() -> None:
+    with pytest.raises(TypeError, match=r"fields \['count'\] must not be init=False"):
+
+        @pytree_dataclass
+        class Counter:
+            count: torch.Tensor = dataclasses.field(init=False)
+
+
+@pytest.mark.compiled
 def test_compiled_adjust_does_not_guard_on_dataclass_internals() -> None:
     # Dynamo evaluates every guard on every call of a compiled step; dataclasses.replace would add
     # one for each entry of __dataclass_fields__ it reads.
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list  # private: import only here
+
     def adjust(scaler: fmp.DynamicLossScale, grads_finite: torch.Tensor) -> fmp.DynamicLossScale:
         return scaler.adjust(grads_finite)
 
