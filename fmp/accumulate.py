@@ -1,7 +1,8 @@
 """Gradient accumulation over micro-batches in float32, with one skip decision and one scale update per step.
 
-The rule for a non-finite micro-batch: its window's optimizer step is skipped whole (params and
-optimizer state kept bit for bit), and the scale backs off once, when the window ends. The scale
+The rule for a non-finite micro-batch, or for finite ones whose sum overflows: the window's
+optimizer step is skipped whole (params and optimizer state kept bit for bit), and the scale backs
+off once, when the window ends. The scale
 stays fixed inside a window, so every micro-batch's gradients are unscaled by the same factor.
 """
 
@@ -18,6 +19,7 @@ from fmp._struct import pytree_dataclass
 from fmp._struct import replace
 from fmp._struct import static_field
 from fmp.grad import ScalerTree
+from fmp.tree import all_finite
 from fmp.tree import tree_device
 
 __all__ = ["AccumulatedGradients", "GradientAccumulator"]
@@ -34,7 +36,8 @@ class AccumulatedGradients(NamedTuple):
     Attributes:
         window_ends: 0-dim bool tensor: this micro-batch ends the window (an optimizer step is due).
         grads: The mean gradient of the window so far, in each parameter's dtype.
-        grads_finite: Whether every micro-batch of the window so far had finite gradients.
+        grads_finite: Whether every micro-batch of the window so far had finite gradients, and their
+            sum is finite.
         finite_per_loss: The same per loss-scale state, the flags the scalers adjust by.
         accumulator: The accumulator to carry to the next micro-batch (reset when the window ends).
     """
@@ -57,7 +60,8 @@ class GradientAccumulator:
     Attributes:
         micro_steps: Micro-batches already added in the current window, a 0-dim int32 tensor.
         grads: The sums, shaped like the parameters.
-        grads_finite: 0-dim bool tensor: every micro-batch of the window so far was finite.
+        grads_finite: 0-dim bool tensor: every micro-batch of the window so far was finite, and so is
+            their sum.
         finite_per_loss: The same per loss-scale state (a flag, or a tuple of flags).
         steps: Micro-batches per window (per optimizer step).
     """
@@ -107,8 +111,14 @@ class GradientAccumulator:
             The window's mean and flags, and the accumulator for the next micro-batch.
         """
         sums = pytree.tree_map(lambda total, g: total + g.to(total.dtype), self.grads, grads)
-        window_finite = self.grads_finite & grads_finite
-        window_per_loss = pytree.tree_map(torch.logical_and, self.finite_per_loss, finite_per_loss)
+        micro_batches_finite = self.grads_finite & grads_finite
+        window_finite = micro_batches_finite & all_finite(sums)
+        # Finite micro-batches can overflow when added; then no loss is to blame alone (as for the
+        # sum of several losses' gradients) and every scale backs off.
+        sum_overflowed = micro_batches_finite & ~window_finite
+        window_per_loss = pytree.tree_map(
+            lambda window, micro_batch: window & micro_batch & ~sum_overflowed, self.finite_per_loss, finite_per_loss
+        )
         micro_steps = self.micro_steps + 1
         window_ends = micro_steps >= self.steps
         mean = pytree.tree_map(lambda total, g: (total / self.steps).to(g.dtype), sums, grads)

@@ -2,7 +2,8 @@
 
 `fixed_dtype(fn, dtype)` runs `fn` with its floating-point inputs cast to `dtype` and autocast off
 inside, so its ops run in `dtype` even inside an `fmp.autocast` region (the innermost region wins,
-see `fmp.autocast`). `no_autocast(fn)` only turns autocast off, as `torch.autocast(enabled=False)`.
+see `fmp.autocast`) or a `torch.autocast` one on CPU or CUDA. `no_autocast(fn)` only turns
+autocast off, as `torch.autocast(enabled=False)`.
 
 Differences from `torch.amp.custom_fwd(cast_inputs=dtype)`:
 
@@ -68,12 +69,22 @@ def check_floating_dtype(dtype: Any, what: str) -> None:
         raise TypeError(f"{what} must be a floating-point torch.dtype (e.g. torch.float32), got {dtype!r}")
 
 
+def _run_without_torch_autocast(fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+    """Runs `fn` with `torch.autocast` off on CPU and CUDA, as `custom_fwd(cast_inputs=...)` does."""
+    if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+        # Both, unconditionally: a with-statement per device traces under torch.compile, where an
+        # ExitStack of autocast contexts does not.
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args, **kwargs)
+    return fn(*args, **kwargs)
+
+
 def no_autocast(fn: Callable[P, R]) -> Callable[P, R]:
     """Returns `fn` run with autocast off: its ops run in the dtypes of their inputs.
 
     The equivalent of `torch.autocast(enabled=False)` around the body, and the innermost region
-    wins, so the body is not cast by an outer `fmp.autocast`. Inputs are not cast: cast them
-    inside `fn`, or use `fixed_dtype`.
+    wins, so the body is cast neither by an outer `fmp.autocast` nor by an outer `torch.autocast`
+    (on CPU or CUDA). Inputs are not cast: cast them inside `fn`, or use `fixed_dtype`.
 
     Args:
         fn: The function to transform.
@@ -84,7 +95,7 @@ def no_autocast(fn: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(fn)
     def no_autocast_fn(*args: P.args, **kwargs: P.kwargs) -> R:
-        return AutocastMode({}).run(fn, *args, **kwargs)
+        return _run_without_torch_autocast(AutocastMode({}).run, fn, *args, **kwargs)
 
     return no_autocast_fn
 
@@ -94,7 +105,8 @@ def fixed_dtype(fn: Callable[P, R], dtype: torch.dtype) -> Callable[P, R]:
 
     The equivalent of `torch.amp.custom_fwd(cast_inputs=dtype)`, for any function or an
     autograd.Function's `apply`: a region that must run in one dtype (a numerically fragile
-    custom kernel in float32, say) inside a model run under `fmp.autocast`. Floating-point tensors
+    custom kernel in float32, say) inside a model run under `fmp.autocast` or `torch.autocast`
+    (on CPU or CUDA; both are off inside). Floating-point tensors
     in the arguments (nested in lists, tuples and dicts too) are cast to `dtype`, except float64
     ones; the casts are recorded by autograd, so each input's gradient comes back in its own dtype.
     Outputs are returned as `fn` makes them (cast them, or the caller's ops will see `dtype`).
@@ -114,6 +126,6 @@ def fixed_dtype(fn: Callable[P, R], dtype: torch.dtype) -> Callable[P, R]:
     @functools.wraps(fn)
     def fixed_dtype_fn(*args: P.args, **kwargs: P.kwargs) -> R:
         cast_args, cast_kwargs = cast_inputs((args, kwargs), dtype)
-        return AutocastMode({}).run(fn, *cast_args, **cast_kwargs)
+        return _run_without_torch_autocast(AutocastMode({}).run, fn, *cast_args, **cast_kwargs)
 
     return fixed_dtype_fn

@@ -190,8 +190,9 @@ def unscale_clip_and_adjust(
     one function: the norm is that of the unscaled gradients, the L2 norm of the per-gradient L2
     norms (float16 gradients' norms taken in float32, so a large norm does not overflow to inf and
     zero every gradient), and every gradient is multiplied by `min(max_norm / (norm + 1e-6), 1)`.
-    On CPU the results equal GradScaler's kernel then `clip_grad_norm_` bit for bit (for float16
-    gradients, which GradScaler refuses, the norm is more accurate). Compiled
+    On CPU, for gradients of one dtype, the results equal GradScaler's kernel then
+    `clip_grad_norm_` bit for bit (for float16 gradients, which GradScaler refuses, the norm is more
+    accurate); with mixed dtypes the norm may differ in the last bit (see `clip_tree_by_global_norm`). Compiled
     (`fused_unscale_clip_and_adjust`) the gradients are traversed three times (read for the finite
     check and the norm, then read and written clipped) where torch.amp traverses them five times
     (unscale: read and write; norm: read; clip: read and write). Non-finite gradients give a

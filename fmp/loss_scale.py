@@ -305,7 +305,16 @@ class DynamicLossScale(_TensorScale):
 
         Returns:
             A dict of Python numbers.
+
+        Raises:
+            ValueError: If the state is stacked (an ensemble's scalers): GradScaler's format holds one.
         """
+        if self.loss_scale.dim() != 0:
+            raise ValueError(
+                f"state_dict() describes one scaler, but this state is stacked (loss_scale shape "
+                f"{tuple(self.loss_scale.shape)}); take each member's with fmp.unstack_tree(scaler, i).state_dict(), "
+                f"or save the whole state with torch.save"
+            )
         return {
             "scale": float(self.loss_scale),
             "growth_factor": self.growth_factor,

@@ -12,14 +12,18 @@ removed when `fn` returns or raises (a `forward` another library patched onto th
 wrapped, and put back after), so nothing outlives the call. The parameters cast are the ones in
 place when the submodule runs, those `functional_call` swapped in or the module's own: cast copies
 are swapped in for its forward and out again, so gradients flow back to the originals in their
-own dtype. Buffers are not cast: BatchNorm's running statistics are updated in place and must
-stay the caller's tensors.
+own dtype.
+
+Buffers are never cast: BatchNorm's running statistics are updated in place and must stay the
+caller's tensors. A module holding floating buffers has its parameters cast to the buffers' dtype
+instead of the compute dtype (see `module_policies`).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import functools
+import warnings
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
@@ -33,6 +37,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from fmp.autocast import AutocastMode
 from fmp.policy import Policy
+from fmp.tree import cast_floating
 
 __all__ = ["PolicyKey", "module_policies"]
 
@@ -50,7 +55,24 @@ class _Match(NamedTuple):
     name: str
     module: nn.Module
     policy: Policy
-    owned: tuple[str, ...]  # its parameters (relative names) that no nested match owns
+    # Its parameters (relative names) that no nested match owns, each with the module holding it.
+    owned: tuple[tuple[str, nn.Module], ...]
+
+
+def _shown(items: list[str]) -> str:
+    return ", ".join(repr(item) for item in items[:8]) + (", ..." if len(items) > 8 else "")
+
+
+def _check_key(key: Any, named: list[tuple[str, nn.Module]]) -> None:
+    if isinstance(key, str):
+        if not any(fnmatch.fnmatchcase(name, key) for name, _ in named):
+            names = [name for name, _ in named]
+            raise ValueError(f"module name pattern {key!r} matches no module of the model; names: {_shown(names)}")
+    elif not (isinstance(key, type) and issubclass(key, nn.Module)):
+        raise TypeError(f"policy key {key!r} is neither an nn.Module subclass nor a name pattern (str)")
+    elif not any(isinstance(module, key) for _, module in named):
+        classes = list(dict.fromkeys(type(module).__name__ for _, module in named))
+        raise ValueError(f"module class {key.__name__} matches no module of the model; classes: {_shown(classes)}")
 
 
 def _check_policies(model: Any, policies: Any) -> None:
@@ -58,57 +80,72 @@ def _check_policies(model: Any, policies: Any) -> None:
         raise TypeError(f"module_policies needs an nn.Module, got {type(model).__name__}")
     if not isinstance(policies, Mapping):
         raise TypeError(f"policies must be a mapping of module class or name pattern to Policy, got {policies!r}")
-    names = [name for name, _ in model.named_modules()]
+    named = list(model.named_modules(remove_duplicate=False))
     for key, policy in policies.items():
         if not isinstance(policy, Policy):
             raise TypeError(
                 f"the policy for {key!r} must be an fmp.Policy (e.g. fmp.get_policy('c=f32')), "
                 f"got {type(policy).__name__}"
             )
-        if isinstance(key, str):
-            if not any(fnmatch.fnmatchcase(name, key) for name in names):
-                shown = ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
-                raise ValueError(f"module name pattern {key!r} matches no module of the model; names: {shown}")
-        elif not (isinstance(key, type) and issubclass(key, nn.Module)):
-            raise TypeError(f"policy key {key!r} is neither an nn.Module subclass nor a name pattern (str)")
+        _check_key(key, named)
 
 
-def _policy_for(name: str, module: nn.Module, policies: Mapping[Any, Policy]) -> Policy | None:
+def _policy_for(names: list[str], module: nn.Module, policies: Mapping[Any, Policy]) -> Policy | None:
     for key, policy in policies.items():
-        if fnmatch.fnmatchcase(name, key) if isinstance(key, str) else isinstance(module, key):
+        if isinstance(key, str):
+            if any(fnmatch.fnmatchcase(name, key) for name in names):
+                return policy
+        elif isinstance(module, key):
             return policy
     return None
 
 
+def _owned(module: nn.Module, matched: set[int]) -> tuple[tuple[str, nn.Module], ...]:
+    submodules = list(module.named_modules(remove_duplicate=False))
+    # A nested match casts its own parameters from the originals, not from this one's copies.
+    nested = tuple(f"{name}." for name, sub in submodules if name and id(sub) in matched)
+    holders = dict(submodules)
+    return tuple(
+        (param, holders[param.rpartition(".")[0]])
+        for param, _ in module.named_parameters(remove_duplicate=False)
+        if not param.startswith(nested)
+    )
+
+
 def _plan(model: nn.Module, policies: Mapping[Any, Policy]) -> tuple[_Match, ...]:
+    # Every name of each module, so that a shared submodule is matched by any of its names.
+    aliases: dict[int, tuple[nn.Module, list[str]]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        aliases.setdefault(id(module), (module, []))[1].append(name)
     chosen = [
-        (name, module, policy)
-        for name, module in model.named_modules()
-        if (policy := _policy_for(name, module, policies)) is not None
+        (names[0], module, policy)
+        for module, names in aliases.values()
+        if (policy := _policy_for(names, module, policies)) is not None
     ]
-    matches = []
-    for name, module, policy in chosen:
-        prefix = f"{name}." if name else ""
-        # A nested match casts its own parameters from the originals, not from this one's copies.
-        nested = [other[len(prefix) :] + "." for other, _, _ in chosen if other != name and other.startswith(prefix)]
-        owned = tuple(
-            param
-            for param, _ in module.named_parameters(remove_duplicate=False)
-            if not any(param.startswith(sub) for sub in nested)
-        )
-        matches.append(_Match(name, module, policy, owned))
-    return tuple(matches)
+    matched = {id(module) for _, module, _ in chosen}
+    return tuple(_Match(name, module, policy, _owned(module, matched)) for name, module, policy in chosen)
 
 
-def _policy_forward(match: _Match, forward: Callable[..., Any]) -> Callable[..., Any]:
+def _param_dtype(holder: nn.Module, policy: Policy) -> torch.dtype:
+    # Buffers are never cast (BatchNorm updates its running statistics in place), so the parameters of
+    # a module holding floating buffers meet them in their dtype: torch's mixed BatchNorm kernel takes
+    # a 16-bit input with float32 weight and statistics, but not 16-bit weight with float32 statistics.
+    dtypes = [buffer.dtype for buffer in holder.buffers(recurse=False) if buffer.is_floating_point()]
+    return functools.reduce(torch.promote_types, dtypes) if dtypes else policy.compute_dtype
+
+
+def _policy_forward(match: _Match, forward: Callable[..., Any], ran: set[str]) -> Callable[..., Any]:
     policy, module = match.policy, match.module
 
     @functools.wraps(forward)
     def policy_forward(*args: Any, **kwargs: Any) -> Any:
+        ran.add(match.name)
         args, kwargs = policy.cast_to_compute((args, kwargs))
         # The tensors functional_call swapped in (or the module's own outside one).
         params = dict(module.named_parameters(remove_duplicate=False))
-        cast: dict[str, torch.Tensor] = {name: policy.cast_to_compute(params[name]) for name in match.owned}
+        cast: dict[str, torch.Tensor] = {
+            name: cast_floating(params[name], _param_dtype(holder, policy)) for name, holder in match.owned
+        }
         with _reparametrize_module(module, cast):
             out = AutocastMode({}).run(forward, *args, **kwargs)
         return policy.cast_to_output(out)
@@ -116,21 +153,50 @@ def _policy_forward(match: _Match, forward: Callable[..., Any]) -> Callable[...,
     return policy_forward
 
 
+def _warn_not_run(matches: tuple[_Match, ...], ran: set[str], warned: set[str]) -> None:
+    for match in matches:
+        if match.name not in ran and match.name not in warned:
+            warned.add(match.name)
+            warnings.warn(
+                f"module_policies: module {match.name or '<model>'!r} ({type(match.module).__name__}) was matched "
+                f"but its forward did not run in this call: its parent uses its parameters directly (as "
+                f"nn.MultiheadAttention does with out_proj) or does not call it, so its policy does not apply",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
 def module_policies(fn: Callable[P, R], model: nn.Module, policies: Mapping[Any, Policy]) -> Callable[P, R]:
     """Returns `fn` run with chosen submodules of `model` in their own precision policies.
 
     Keys are module classes, matched with isinstance (`nn.LayerNorm`, or a base class such as
     `nn.modules.batchnorm._NormBase`), or fnmatch patterns over the names
-    `model.named_modules()` gives ("head", "blocks.*.attn"; "" is the model itself). A module
-    matched by several keys takes the first in the mapping's order. A matched module's inputs and
-    parameters are cast to the policy's compute dtype on entry, its ops run with autocast off,
-    and its outputs are cast to the policy's output dtype; the policy's param dtype is not used
+    `model.named_modules(remove_duplicate=False)` gives ("head", "blocks.*.attn"; "" is the model
+    itself; a submodule registered under several names matches by any of them). A module matched
+    by several keys takes the first in the mapping's order. A matched module's inputs and
+    parameters are cast to the policy's compute dtype on entry, its ops run with autocast off, and
+    its outputs are cast to the policy's output dtype; the policy's param dtype is not used
     (parameters arrive in whatever dtype the caller keeps them). Modules nested in a matched one
     follow it unless matched themselves.
+
+    Buffers are never cast, so a module holding floating buffers (BatchNorm's running statistics)
+    gets its parameters cast to the buffers' dtype (the widest, should they differ) and only its
+    inputs to the compute dtype: BatchNorm with float32 statistics under a bfloat16 or float16
+    policy normalizes a 16-bit input with float32 weight and bias, as under `torch.autocast`,
+    updates its statistics in place and returns float32 gradients to float32 weight and bias.
+    Where torch's kernel refuses the mix, under `vmap` (its batching rule) or for a float64
+    compute dtype over float32 statistics, give BatchNorm a float32-compute policy
+    (`get_policy("c=f32,o=bf16")`) or keep its buffers in the compute dtype.
 
     Example: keep all norm layers in float32 under a bfloat16 policy or autocast::
 
         loss = fmp.module_policies(loss_fn, model, {nn.LayerNorm: fmp.get_policy("f32")})
+
+    A policy applies only where the matched module's `forward` runs. A parent that reads a
+    submodule's parameters directly bypasses it (`nn.MultiheadAttention` passes `out_proj.weight`
+    to its functional form); a matched module whose forward did not run in a call is named in a
+    `UserWarning`, once per module for the returned function, after an eager call (not while
+    `torch.compile` traces it, where the warning cannot be traced).
 
     Works under `torch.func.grad`, `vmap` and `torch.compile(fullgraph=True)` (one graph).
     Matching is resolved here, from the model's structure now.
@@ -146,13 +212,15 @@ def module_policies(fn: Callable[P, R], model: nn.Module, policies: Mapping[Any,
     Raises:
         TypeError: For a model that is not an nn.Module, a value that is not a Policy, or a key
             that is neither an nn.Module subclass nor a string.
-        ValueError: For a name pattern that matches no module.
+        ValueError: For a name pattern or a module class that matches no module.
     """
     _check_policies(model, policies)
     matches = _plan(model, policies)
+    warned: set[str] = set()  # the matches already warned about, so each is named once
 
     @functools.wraps(fn)
     def module_policies_fn(*args: P.args, **kwargs: P.kwargs) -> R:
+        ran: set[str] = set()  # the matches whose forward ran in this call
         # Through __dict__: Dynamo replays setattr/delattr on a module as a bare delattr, which fails.
         saved: list[tuple[dict[str, Any], Any]] = []
         try:
@@ -166,8 +234,8 @@ def module_policies(fn: Callable[P, R], model: nn.Module, policies: Mapping[Any,
                 # A forward patched on the instance (by another library) is wrapped and put back after.
                 saved.append((attrs, attrs.get(_FORWARD)))
                 attrs[_ACTIVE] = True
-                attrs[_FORWARD] = _policy_forward(match, match.module.forward)
-            return fn(*args, **kwargs)
+                attrs[_FORWARD] = _policy_forward(match, match.module.forward, ran)
+            out = fn(*args, **kwargs)
         finally:
             for attrs, previous in reversed(saved):
                 del attrs[_ACTIVE]
@@ -175,5 +243,9 @@ def module_policies(fn: Callable[P, R], model: nn.Module, policies: Mapping[Any,
                     del attrs[_FORWARD]
                 else:
                     attrs[_FORWARD] = previous
+        # Dynamo cannot trace warnings.warn, so only eager calls check; the graph is the same either way.
+        if not torch.compiler.is_compiling():
+            _warn_not_run(matches, ran, warned)
+        return out
 
     return module_policies_fn

@@ -49,22 +49,35 @@ def _accelerator_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def half_dtype(device_type: str | None = None) -> torch.dtype:
+def _device_type(device: str | torch.device) -> str:
+    if isinstance(device, torch.device):
+        return device.type
+    if not isinstance(device, str):
+        raise TypeError(f"device_type must be a str or torch.device (e.g. 'cuda'), got {type(device).__name__}")
+    try:
+        return torch.device(device).type
+    except RuntimeError as error:
+        raise ValueError(f"device_type {device!r} is not a torch device (e.g. 'cuda', 'cpu', 'cuda:1')") from error
+
+
+def half_dtype(device_type: str | torch.device | None = None) -> torch.dtype:
     """Returns the platform's 16-bit float: bfloat16 on CPU (and XLA, XPU, HPU), float16 elsewhere.
 
     Args:
-        device_type: A device type such as "cuda" or "cpu"; None means the current accelerator if
-            torch sees one, else "cpu".
+        device_type: A device type such as "cuda" or "cpu", or a device ("cuda:1", `x.device`);
+            None means the current accelerator if torch sees one, else "cpu".
 
     Returns:
         torch.bfloat16 or torch.float16.
+
+    Raises:
+        TypeError, ValueError: If `device_type` is not a device or names none torch knows.
     """
-    if device_type is None:
-        device_type = _accelerator_type()
-    return torch.bfloat16 if device_type in _BFLOAT16_DEVICE_TYPES else torch.float16
+    kind = _accelerator_type() if device_type is None else _device_type(device_type)
+    return torch.bfloat16 if kind in _BFLOAT16_DEVICE_TYPES else torch.float16
 
 
-def _parse_dtype(name: str, device_type: str | None) -> torch.dtype:
+def _parse_dtype(name: str, device_type: str | torch.device | None) -> torch.dtype:
     key = name.strip().lower()
     if key == "half":
         return half_dtype(device_type)
@@ -178,17 +191,17 @@ class Policy:
         return spec
 
 
-def get_policy(spec: str, *, device_type: str | None = None) -> Policy:
+def get_policy(spec: str, *, device_type: str | torch.device | None = None) -> Policy:
     """Parses a policy string such as "params=float32,compute=bfloat16,output=float32".
 
     The grammar is jmp's: comma-separated `key=dtype` pairs with keys `params`/`p`,
     `compute`/`c` and `output`/`o`, plus fmp's `reduce`/`r` (the data-parallel gradient reduction,
     see `Policy.reduce_dtype`) and `rules` ("cuda", "cpu" or "none", see `Policy.rules`). Unset
     keys default as: params float32, compute follows params, output follows compute, reduce follows
-    params (None), rules "cuda". A bare dtype ("bf16") sets params, compute and output. Dtypes are
-    spelled as in torch or
-    jmp (float32, fp32, f32, full, float16, fp16, f16, bfloat16, bf16, float64, f64, ...) and "half"
-    is the platform's 16-bit float (see `half_dtype`). Case and whitespace do not matter.
+    params (None, also spelled "reduce=none"), rules "cuda". A bare dtype ("bf16") sets params,
+    compute and output. Dtypes are spelled as in torch or jmp (float32, fp32, f32, full, float16,
+    fp16, f16, bfloat16, bf16, float64, f64, ...) and "half" is the platform's 16-bit float (see
+    `half_dtype`). Case and whitespace do not matter.
     `get_policy(str(policy)) == policy` for every policy.
 
     Args:
@@ -224,6 +237,8 @@ def get_policy(spec: str, *, device_type: str | None = None) -> Policy:
         seen.add(field)
         if field == "rules":
             rules = _parse_rules(value)
+        elif field == "reduce_dtype" and value.strip().lower() == "none":
+            continue  # spelled out: the reduction follows the params, the default
         else:
             chosen[field] = _parse_dtype(value, device_type)
     param = chosen.get("param_dtype", torch.float32)

@@ -120,9 +120,10 @@ def train_step(
 
     Gradient accumulation (`TrainState.create(..., accumulation_steps=k)`): each call takes one
     micro-batch and adds its unscaled gradients to float32 sums; the k-th call updates with their
-    mean. If any micro-batch of the window was non-finite, that update is skipped whole. The scale
-    stays fixed through a window and adjusts once at its end, backing off once for a bad window.
-    Every call computes the optimizer's update and keeps it only at a window's end (branch-free).
+    mean. If any micro-batch of the window was non-finite, or their sum overflows, that update is
+    skipped whole. The scale stays fixed through a window and adjusts once at its end, backing off
+    once for a bad window. Every call computes the optimizer's update and keeps it only at a
+    window's end (branch-free).
 
     Donation, as `jax.jit`'s `donate_argnums`: with `donate=True` the caller hands over `state`
     and must not read it after the call. Under `torch.compile` the step then writes the new values
@@ -134,7 +135,10 @@ def train_step(
     values are those of the pure step: bit for bit in float32 compute, and in 16-bit compute when
     Inductor rounds intermediates as eager does (`options={"emulate_precision_casts": True}`);
     otherwise Inductor's fusions skip 16-bit roundings differently in the two graphs. Do not donate
-    under `torch.func` transforms (`grad`, `vmap`), which need the inputs intact.
+    under `torch.func` transforms (`grad`, `vmap`), which need the inputs intact. Every donated
+    tensor must own its memory: one tensor listed twice raises, but two tensors that view one
+    storage (tied weights taken as two `state_dict()` entries) cannot be told apart without reading
+    addresses, which Dynamo does not trace; list tied weights once.
 
     Args:
         loss_fn: `loss_fn(params, *args) -> loss`, or `-> (loss, aux)` with `has_aux`; loss 0-dim,

@@ -203,3 +203,28 @@ def test_compiled_donated_accumulation_matches_eager_in_one_graph() -> None:
     assert_trees_close(compiled_state, eager_state, **TOLERANCES[torch.float32])
     assert_trees_bitwise_equal((compiled_state.scaler, compiled_state.counts), (eager_state.scaler, eager_state.counts))
     assert [t.data_ptr() for t in torch.utils._pytree.tree_leaves(compiled_state)] == buffers
+
+
+@pytest.mark.parametrize(
+    "scaler",
+    [fmp.NoOpLossScale(), fmp.StaticLossScale.create(1.0), fmp.DynamicLossScale.create(1.0)],
+    ids=["noop", "static", "dynamic"],
+)
+def test_finite_micro_batches_whose_sum_overflows_skip_the_window(scaler: Any) -> None:
+    """Each micro-batch's gradient (2e38) is finite in float32; their sum is not: nothing is applied."""
+    optimizer = fmp.optim.sgd(1e-3, momentum=0.9)
+    state = fmp.TrainState.create({"w": torch.ones(2)}, optimizer, scaler, accumulation_steps=2)
+    before = state
+    x = torch.full((2,), 2e38)
+    infos = []
+    for _ in range(2):
+        state, info = fmp.train_step(lambda p, x: (p["w"] * x).sum(), state, x, policy=F32, optimizer=optimizer)
+        infos.append(info)
+    assert [bool(info.grads_finite) for info in infos] == [True, True]  # each micro-batch's own flag
+    assert not bool(infos[1].applied)
+    assert_trees_bitwise_equal((state.params, state.opt_state), (before.params, before.opt_state))
+    assert int(state.counts.skipped) == 1 and int(state.counts.applied) == 0
+    if isinstance(scaler, fmp.DynamicLossScale):
+        assert float(state.scaler.loss_scale) == 0.5
+    # The next window starts clean.
+    assert bool(state.accumulator.grads_finite) and int(state.accumulator.micro_steps) == 0

@@ -100,9 +100,8 @@ def test_readme_gradient_buffer_loop_runs_and_skips_the_overflow() -> None:
     section = readme.split("### Gradients in one buffer", 1)[1]
     loop = section.split("```python\n", 1)[1].split("```", 1)[0]
     setup = (
-        "import torch\nimport fmp\ntorch.manual_seed(0)\n"
+        "import torch\nfrom torch import nn\nimport fmp\ntorch.manual_seed(0)\n"
         "model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))\n"
-        "loss_fn = torch.nn.functional.mse_loss\n"
         "data = [(torch.randn(16, 8), torch.randn(16, 1)) for _ in range(4)]\n"
         "data[2][0][0, 0] = float('inf')\n"
         "before = [p.detach().clone() for p in model.parameters()]\n"

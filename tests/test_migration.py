@@ -73,6 +73,13 @@ def test_fmp_state_dicts_round_trip_through_torch_save_with_every_field() -> Non
     assert int(restored.overflow_streak) == 2 and restored.hysteresis == 3
 
 
+def test_a_stacked_state_dict_names_unstack_tree() -> None:
+    stacked = fmp.stack_trees([fmp.DynamicLossScale.create(init_scale=2.0**k) for k in range(3)])
+    with pytest.raises(ValueError, match=r"stacked \(loss_scale shape \(3,\)\).*fmp.unstack_tree"):
+        stacked.state_dict()
+    assert fmp.unstack_tree(stacked, 1).state_dict()["scale"] == 2.0
+
+
 @pytest.mark.parametrize(
     ("state_dict", "error", "message"),
     [

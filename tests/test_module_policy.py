@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 from torch.overrides import TorchFunctionMode
 
 import fmp
@@ -256,6 +257,8 @@ def test_module_policies_validate_and_do_not_leak_on_errors() -> None:
         module_policies(_loss(model), model, {"head": "bf16"})  # type: ignore[dict-item]
     with pytest.raises(TypeError, match=r"neither an nn\.Module subclass nor a name pattern"):
         module_policies(_loss(model), model, {F.layer_norm: BF16})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match=r"module class Conv2d matches no module of the model; classes: 'Net', "):
+        module_policies(_loss(model), model, {nn.Conv2d: BF16})
     with pytest.raises(TypeError, match=r"needs an nn\.Module, got dict"):
         module_policies(_loss(model), params, {"head": BF16})  # type: ignore[arg-type]
 
@@ -286,6 +289,128 @@ def test_module_policies_wrap_a_forward_patched_on_the_instance_and_put_it_back(
         assert vars(model.head)["forward"] is before and "_fmp_module_policy" not in vars(model.head)
     finally:
         del model.head.forward
+
+
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}  # of 16-bit BatchNorm against float32
+
+
+def _bn_net(dims: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    # No bias before the norm: its gradient is zero but for rounding, which no tolerance fits.
+    if dims == 1:
+        return nn.Sequential(nn.Linear(6, 6, bias=False), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2))
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3, bias=False), nn.BatchNorm2d(6), nn.ReLU(), nn.Flatten(), nn.Linear(6 * 4 * 4, 2)
+    )
+
+
+def _bn_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    # Running statistics away from their initial values, so that eval mode normalizes with something.
+    buffers = {k: v + 0.1 * torch.rand_like(v) if v.is_floating_point() else v for k, v in model.named_buffers()}
+    return params, buffers
+
+
+def _bn_loss(model: nn.Module, policy: fmp.Policy | None = None) -> Callable[..., torch.Tensor]:
+    def loss(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        if policy is not None:  # what fmp.mixed_precision_grad does before calling the loss
+            params, x = policy.cast_to_compute((params, x))
+        # The buffers come in as an argument: torch.func.grad refuses in-place updates of captured tensors.
+        return torch.func.functional_call(model, {**params, **buffers}, (x,)).float().pow(2).mean()
+
+    return loss
+
+
+def _clone(tree: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in tree.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dims", [1, 2])
+@pytest.mark.parametrize("train", [True, False])
+def test_batch_norm_under_a_16_bit_policy_runs_torch_mixed_kernel(dtype: torch.dtype, dims: int, train: bool) -> None:
+    model = _bn_net(dims).train(train)
+    params, initial = _bn_state(model)
+    x = torch.randn(8, 6) if dims == 1 else torch.randn(8, 3, 6, 6)
+    buffers, reference = _clone(initial), _clone(initial)
+    loss = _bn_loss(model)
+    kept = module_policies(loss, model, {_NormBase: fmp.Policy(torch.float32, dtype, torch.float32)})
+    with Recorder() as recorder:
+        grads = torch.func.grad(kept)(params, buffers, x)
+    want = torch.func.grad(loss)(params, reference, x)
+    # A 16-bit input with float32 weight, bias and statistics, as torch.autocast runs BatchNorm.
+    assert recorder.dtypes("batch_norm") == [[dtype] + [torch.float32] * 4]
+    tol = TOLERANCE[dtype]
+    for name, grad in grads.items():
+        assert grad.dtype == torch.float32
+        torch.testing.assert_close(grad, want[name], rtol=tol, atol=tol)
+    # The caller's statistics are updated in place in training mode (not copies of them), else left alone.
+    for name, buffer in buffers.items():
+        torch.testing.assert_close(buffer, reference[name], rtol=tol, atol=tol)
+        assert torch.equal(buffer, initial[name]) != train
+    assert _no_forward_left(model)
+
+
+def test_batch_norm_in_a_matched_model_takes_its_parameters_in_its_statistics_dtype() -> None:
+    model = _bn_net(1)
+    params, buffers = _bn_state(model)
+    params = fmp.get_policy("bf16").cast_to_param(params)  # the caller keeps bfloat16 parameters
+    loss = module_policies(_bn_loss(model), model, {"": fmp.get_policy("c=bf16,o=f32")})
+    before = buffers["1.running_mean"].clone()
+    with Recorder() as recorder:
+        grads = torch.func.grad(loss)(params, buffers, torch.randn(8, 6))
+    # The linears in bfloat16, the nested BatchNorm on float32 copies of its bfloat16 weight and bias.
+    assert recorder.dtypes("linear") == [[torch.bfloat16] * 2, [torch.bfloat16] * 3]  # the first has no bias
+    assert recorder.dtypes("batch_norm") == [[torch.bfloat16] + [torch.float32] * 4]
+    assert {g.dtype for g in grads.values()} == {torch.bfloat16} and not torch.equal(buffers["1.running_mean"], before)
+
+
+def test_batch_norm_float32_policy_under_vmap_of_grad_updates_per_example_statistics() -> None:
+    model = _bn_net(1)
+    params, initial = _bn_state(model)
+    loss = module_policies(_bn_loss(model, BF16), model, {_NormBase: NORM_F32})
+    xs = torch.randn(3, 8, 6)
+    stacked = {k: torch.stack([v] * 3) for k, v in initial.items()}
+    grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, stacked, xs)
+    for i in range(3):
+        buffers = _clone(initial)
+        one = torch.func.grad(loss)(params, buffers, xs[i])
+        for name, grad in grads.items():
+            assert grad.dtype == torch.float32
+            torch.testing.assert_close(grad[i], one[name], rtol=3e-2, atol=1e-2)  # batched bf16 rounds differently
+        for name, buffer in buffers.items():
+            torch.testing.assert_close(stacked[name][i], buffer, rtol=1e-2, atol=1e-3)
+    assert bool((stacked["1.num_batches_tracked"] == 1).all()) and _no_forward_left(model)
+
+
+def test_a_matched_module_whose_forward_does_not_run_is_named_once() -> None:
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(8, 2)
+    q = torch.randn(3, 1, 8)
+    # MultiheadAttention hands out_proj.weight to its functional form; out_proj's forward never runs.
+    fn = module_policies(lambda q: attention(q, q, q)[0], attention, {"out_proj": BF16})
+    with pytest.warns(UserWarning, match=r"'out_proj' \(NonDynamicallyQuantizableLinear\) .* does not apply"):
+        assert fn(q).dtype == torch.float32
+    assert fn(q).dtype == torch.float32  # once: warnings are errors here
+    assert _no_forward_left(attention)
+
+
+class _Shared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = self.first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x))
+
+
+def test_a_shared_submodule_is_matched_by_its_second_name() -> None:
+    model = _Shared()
+    with Recorder() as recorder:
+        out = module_policies(model, model, {"second": fmp.get_policy("c=bf16,o=f32")})(torch.randn(2, 4))
+    assert out.dtype == torch.float32 and recorder.dtypes("linear") == [[torch.bfloat16] * 3] * 2
+    assert _no_forward_left(model)
 
 
 class _GraphCapture:

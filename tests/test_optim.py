@@ -31,7 +31,13 @@ CASES: list[tuple[str, Callable[..., fmp.optim.Optimizer], type[torch.optim.Opti
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def random_like(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    if dtype.is_complex:  # both parts random: Adam must treat them as two reals, as torch does
+        return torch.complex(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)).to(dtype)
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.complex64])
 @pytest.mark.parametrize(
     ("name", "ours", "theirs", "config"), CASES, ids=lambda v: str(v) if isinstance(v, dict) else v
 )
@@ -44,17 +50,16 @@ def test_matches_torch_optim(
 ) -> None:
     gen = torch.Generator().manual_seed(0)
     params = {
-        "w": torch.randn(5, 4, generator=gen),
-        "b": torch.randn(4, generator=gen),
-        "t": torch.randn((), generator=gen),
+        "w": random_like((5, 4), dtype, gen),
+        "b": random_like((4,), dtype, gen),
+        "t": random_like((), dtype, gen),
     }
-    params = {k: v.to(dtype) for k, v in params.items()}
     reference = {k: torch.nn.Parameter(v.clone()) for k, v in params.items()}
     torch_opt = theirs(list(reference.values()), **config)
     optimizer = ours(**config)
     state = optimizer.init(params)
     for _ in range(12):
-        grads = {k: torch.randn(v.shape, generator=gen).to(dtype) for k, v in params.items()}
+        grads = {k: random_like(tuple(v.shape), dtype, gen) for k, v in params.items()}
         for k, p in reference.items():
             p.grad = grads[k].clone()
         torch_opt.step()
@@ -122,3 +127,23 @@ def test_a_state_from_another_optimizer_is_named(
     params = {"w": torch.ones(1)}
     with pytest.raises(TypeError, match=f"{expected}.*was it created by another optimizer"):
         optimizer.update(params, wrong_state, params)
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [fmp.optim.sgd(0.1), fmp.optim.sgd(0.1, momentum=0.9), fmp.optim.adamw()],
+    ids=["sgd", "sgd-momentum", "adamw"],
+)
+def test_state_or_grads_of_other_params_are_named(optimizer: fmp.optim.Optimizer) -> None:
+    params = {"w": torch.ones(3), "v": torch.ones(2)}
+    state = optimizer.init(params)
+    with pytest.raises(ValueError, match=r"grads must have the params' structure, but they differ at params\['v'\]"):
+        optimizer.update({"w": torch.ones(3)}, state, params)
+    if not torch.utils._pytree.tree_leaves(state):
+        return
+    other = optimizer.init({"w": torch.ones(4), "v": torch.ones(2)})
+    with pytest.raises(ValueError, match=r"opt_state\.\w+\['w'\] has shape \(4,\), but params\['w'\] has shape \(3,\)"):
+        optimizer.update(params, other, params)
+    fewer = optimizer.init({"w": torch.ones(3)})
+    with pytest.raises(ValueError, match=r"which opt_state.* lacks; was the optimizer state created for other params"):
+        optimizer.update(params, fewer, params)

@@ -39,6 +39,22 @@ def test_half_follows_the_device_type() -> None:
     assert fmp.half_dtype("cuda") == F16 and fmp.half_dtype("cpu") == BF16
 
 
+@pytest.mark.parametrize(
+    ("device", "expected"),
+    [(torch.device("cpu"), BF16), ("cpu:0", BF16), (torch.device("cuda", 1), F16), ("cuda:1", F16), ("xpu", BF16)],
+    ids=str,
+)
+def test_half_takes_devices_as_well_as_types(device: str | torch.device, expected: torch.dtype) -> None:
+    assert fmp.half_dtype(device) == expected
+    assert fmp.get_policy("c=half", device_type=device).compute_dtype == expected
+
+
+@pytest.mark.parametrize(("device", "error"), [("CPU", ValueError), ("tpu", ValueError), (0, TypeError)], ids=str)
+def test_an_unknown_device_for_half_is_named(device: object, error: type[Exception]) -> None:
+    with pytest.raises(error, match="device_type"):
+        fmp.half_dtype(device)  # type: ignore[arg-type]
+
+
 @given(
     st.sampled_from(FLOAT_DTYPES),
     st.sampled_from(FLOAT_DTYPES),
@@ -77,6 +93,7 @@ def test_rules_parse_and_are_checked() -> None:
         ("p=f32,c=bf16,r=bf16", BF16, BF16),
         ("params=float32,compute=float16,output=float32,reduce=float16", F16, F16),
         ("p=f64, Reduce = fp32", F32, F32),
+        ("p=bf16,r=None", None, BF16),
     ],
 )
 def test_reduce_dtype_defaults_to_param_dtype(spec: str, reduce: torch.dtype | None, effective: torch.dtype) -> None:

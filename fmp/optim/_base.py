@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
+from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
 from typing import TypeAlias
@@ -19,6 +20,7 @@ __all__ = [
     "LearningRate",
     "Optimizer",
     "Schedule",
+    "check_like_params",
     "check_lr",
     "check_schedule_value",
     "check_state",
@@ -53,6 +55,46 @@ def check_state(name: str, state: Any, expected: type) -> None:
             f"{name} got optimizer state of type {type(state).__name__}, expected {expected.__name__}: "
             f"was it created by another optimizer's init?"
         )
+
+
+def check_like_params(name: str, params: Any, trees: Mapping[str, Any]) -> None:
+    """Raises unless each of `trees` has the structure of `params`, each tensor leaf its param's shape.
+
+    A static check (no host sync): it catches an optimizer state made for another model before
+    torch's own errors would, and names the first key that differs.
+
+    Args:
+        name: The optimizer, for the message.
+        params: The parameters.
+        trees: The trees that must line up with them (gradients, moment buffers), by name.
+
+    Raises:
+        ValueError: Naming the tree and the first key or shape that differs.
+    """
+    param_pairs, param_spec = pytree.tree_flatten_with_path(params)
+    for what, tree in trees.items():
+        hint = "; was the optimizer state created for other params?" if what.startswith("opt_state") else ""
+        pairs, spec = pytree.tree_flatten_with_path(tree)
+        if spec != param_spec:
+            param_keys = [pytree.keystr(path) for path, _ in param_pairs]
+            keys = [pytree.keystr(path) for path, _ in pairs]
+            first = next((i for i, pair in enumerate(zip(param_keys, keys, strict=False)) if pair[0] != pair[1]), None)
+            if first is not None:
+                detail = f"params{param_keys[first]} where {what} has {what}{keys[first]}"
+            elif len(param_keys) > len(keys):
+                detail = f"params{param_keys[len(keys)]}, which {what} lacks"
+            elif len(keys) > len(param_keys):
+                detail = f"{what}{keys[len(param_keys)]}, which params lack"
+            else:
+                detail = f"the same keys in other containers ({param_spec} vs {spec})"
+            raise ValueError(f"{name}: {what} must have the params' structure, but they differ at {detail}{hint}")
+        for (path, param), (_, leaf) in zip(param_pairs, pairs, strict=True):
+            if isinstance(param, torch.Tensor) and isinstance(leaf, torch.Tensor) and leaf.shape != param.shape:
+                key = pytree.keystr(path)
+                raise ValueError(
+                    f"{name}: {what}{key} has shape {tuple(leaf.shape)}, but params{key} has shape "
+                    f"{tuple(param.shape)}{hint}"
+                )
 
 
 def check_lr(lr: Any) -> LearningRate:

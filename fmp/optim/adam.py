@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 from fmp._checks import check_real
 from fmp.optim._base import LearningRate
 from fmp.optim._base import Optimizer
+from fmp.optim._base import check_like_params
 from fmp.optim._base import check_lr
 from fmp.optim._base import check_state
 from fmp.optim._base import scheduled_lr
@@ -35,6 +36,15 @@ class AdamState(NamedTuple):
     exp_avg_sq: Any
 
 
+def _real(x: torch.Tensor) -> torch.Tensor:
+    # torch.optim's Adam treats a complex number as two reals: |g|^2, not g*g, in the second moment.
+    return torch.view_as_real(x) if x.is_complex() else x
+
+
+def _like(real: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_complex(real) if like.is_complex() else real
+
+
 def _adam(
     lr: LearningRate, betas: tuple[float, float], eps: float, weight_decay: float, *, decoupled: bool
 ) -> Optimizer:
@@ -52,6 +62,9 @@ def _adam(
 
     def update(grads: Any, state: AdamState, params: Any) -> tuple[Any, AdamState]:
         check_state(name, state, AdamState)
+        check_like_params(
+            name, params, {"grads": grads, "opt_state.exp_avg": state.exp_avg, "opt_state.exp_avg_sq": state.exp_avg_sq}
+        )
         # A schedule sees the applied steps before this one; a float lr passes through as is. A
         # scheduled lr is taken in double precision, as torch takes a Python float lr.
         lr_now = scheduled_lr(lr, state.step)
@@ -71,12 +84,17 @@ def _adam(
         step_scalars = torch.stack(scalars)
         if not decoupled and weight_decay:
             grads = pytree.tree_map(lambda g, p: torch.add(g, p, alpha=weight_decay), grads, params)
-        exp_avg = pytree.tree_map(lambda m, g: torch.lerp(m, g, 1.0 - beta1), state.exp_avg, grads)
+        exp_avg = pytree.tree_map(
+            lambda m, g: _like(torch.lerp(_real(m), _real(g), 1.0 - beta1), m), state.exp_avg, grads
+        )
         exp_avg_sq = pytree.tree_map(
-            lambda v, g: torch.addcmul(v * beta2, g, g, value=1.0 - beta2), state.exp_avg_sq, grads
+            lambda v, g: _like(torch.addcmul(_real(v) * beta2, _real(g), _real(g), value=1.0 - beta2), v),
+            state.exp_avg_sq,
+            grads,
         )
 
-        def new_param(param: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def new_param(complex_param: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            param, m, v = _real(complex_param), _real(m), _real(v)
             opmath = torch.promote_types(param.dtype, torch.float32)
             scalars = step_scalars.to(opmath)
             if scheduled_decay:
@@ -88,7 +106,7 @@ def _adam(
             # opmath too and rounds once to the param dtype.
             denom = torch.sqrt(v) / scalars[1] + eps
             update = scalars[0] * m.to(opmath) / denom.to(opmath)
-            return (param.to(opmath) - update).to(param.dtype)
+            return _like((param.to(opmath) - update).to(param.dtype), complex_param)
 
         new_params = pytree.tree_map(new_param, params, exp_avg, exp_avg_sq)
         return new_params, AdamState(step, exp_avg, exp_avg_sq)

@@ -39,8 +39,10 @@ def _global_norm_and_clip_factor(leaves: list[torch.Tensor], max_norm: float) ->
 def clip_tree_by_global_norm(grads: Tree, max_norm: float) -> tuple[Tree, torch.Tensor]:
     """Clips a pytree as `clip_grad_norm_` does: every gradient times `min(max_norm / (norm + 1e-6), 1)`.
 
-    As torch does, the leaves' L2 norms are taken group by group of (device, dtype), in order of
-    each group's first leaf, gathered on the first leaf's device, and reduced to their L2 norm.
+    As torch does, the leaves' L2 norms are taken group by group of (device, dtype), gathered on
+    the first leaf's device, and reduced to their L2 norm. The groups come in order of their first
+    leaf; torch orders them by an internal map, so with mixed dtypes the norm may differ from
+    torch's in the last bit (with one dtype per device they are equal).
     Unlike torch, a float16 leaf's norm is taken in float32, where it cannot overflow. The factor
     is a 0-dim tensor: nothing syncs with the host unless the first leaf is on the CPU and a later
     one on an accelerator (its norm is copied back).

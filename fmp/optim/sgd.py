@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 from fmp._checks import check_real
 from fmp.optim._base import LearningRate
 from fmp.optim._base import Optimizer
+from fmp.optim._base import check_like_params
 from fmp.optim._base import check_lr
 from fmp.optim._base import check_state
 from fmp.optim._base import scheduled_lr
@@ -101,6 +102,7 @@ def sgd(
                     f"sgd without momentum keeps no state, got {type(state).__name__}: "
                     f"was it created by another optimizer's init?"
                 )
+            check_like_params("sgd", params, {"grads": grads})
             new_params = pytree.tree_map(lambda g, p: torch.add(p, direction(g, p), alpha=-fixed_lr), grads, params)
             return new_params, state
 
@@ -113,6 +115,9 @@ def sgd(
 
     def update(grads: Any, state: SgdState, params: Any) -> tuple[Any, SgdState]:
         check_state(name, state, SgdState)
+        check_like_params(
+            name, params, {"grads": grads, **({"opt_state.momentum": state.momentum} if momentum else {})}
+        )
         lr_now = scheduled_lr(lr, state.step)
         if not momentum:
             if pytree.tree_leaves(state.momentum):
