@@ -6,6 +6,11 @@ torch.func, so the casts are recorded like any user-written `.to()`: gradients f
 input in its own dtype, and `torch.func.grad`, `vmap` and `torch.compile(fullgraph=True)` see
 ordinary ops. The mode is entered inside the call and left when it returns or raises.
 
+The mode sees public calls; torch.autocast sees the aten ops torch's C++ splits them into. A call
+whose own name has no rule follows the rule of the first op with one on its path through torch
+(`CALLS` for fixed paths, such as `x.square()` to pow; `ROUTES` for paths that depend on the
+arguments, such as einsum reaching bmm only when it contracts).
+
 Regions nest, and the innermost wins: every fmp mode entered through `AutocastMode.run` is kept on
 a per-thread stack, and a mode that is not the innermost one passes its calls through, so an inner
 `autocast`, `fmp.fixed_dtype` or `fmp.no_autocast` region is never re-cast by an outer one.
@@ -13,7 +18,9 @@ a per-thread stack, and a mode that is not the innermost one passes its calls th
 
 from __future__ import annotations
 
+import difflib
 import functools
+import itertools
 import threading
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -26,6 +33,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from fmp.autocast_paths import CALLS
+from fmp.autocast_paths import ROUTES
+from fmp.autocast_paths import argument
+from fmp.autocast_paths import call_path
+from fmp.autocast_paths import negative_power
 from fmp.autocast_rules import RULE_SETS
 from fmp.autocast_rules import Cast
 from fmp.autocast_rules import RuleSet
@@ -61,20 +73,22 @@ _COMPOSITE_MODULES = frozenset({"torch.nn.functional", "torch.functional"})
 
 
 def _plain_copies() -> dict[Any, Callable[..., Any]]:
-    """Plain copies of the composites, which compiled code redispatches to.
+    """Plain copies of the torch.nn.functional composites, which compiled code redispatches to.
 
     Dynamo sends a redispatched torch function back to the mode ("cannot skip two levels"), but
     inlines a copy, which is no torch function, and its body's own has_torch_function check takes
-    the skip, so the body runs with the mode on, as in eager.
+    the skip, so the body runs with the mode on, as in eager. Dynamo refuses to inline code from
+    torch/functional.py, so compiled, torch.functional's composites (torch.split, a non-contracting
+    einsum) run as one call: each body wraps the op of its name (stft pads first), which the rule
+    sets cast only where the call's own rule already does.
     """
     copies: dict[Any, Callable[..., Any]] = {}
-    for namespace in (torch.nn.functional, torch.functional):
-        for value in vars(namespace).values():
-            if isinstance(value, FunctionType) and value.__module__ in _COMPOSITE_MODULES:
-                code, name = value.__code__, value.__name__
-                copy = FunctionType(code, value.__globals__, name, value.__defaults__, value.__closure__)
-                copy.__kwdefaults__ = value.__kwdefaults__
-                copies[value] = copy
+    for value in vars(torch.nn.functional).values():
+        if isinstance(value, FunctionType) and value.__module__ == "torch.nn.functional":
+            code, name = value.__code__, value.__name__
+            copy = FunctionType(code, value.__globals__, name, value.__defaults__, value.__closure__)
+            copy.__kwdefaults__ = value.__kwdefaults__
+            copies[value] = copy
     return copies
 
 
@@ -111,54 +125,79 @@ def _active_modes() -> list[AutocastMode]:
     return _LOCAL.modes
 
 
-def _einsum_contracts(args: tuple[Any, ...]) -> bool:
-    """Whether torch's einsum reaches bmm, the op torch.autocast casts: an index summed over two operands."""
-    equation = args[0] if args else None
-    operands = args[1:] if len(args) != 2 or isinstance(args[1], torch.Tensor) else args[1]
-    if not isinstance(equation, str):
-        return sum(isinstance(x, torch.Tensor) for x in pytree.tree_leaves(args)) > 1  # sublist form: assume so
-    lhs, arrow, rhs = equation.replace(" ", "").partition("->")
-    terms = lhs.split(",")
-    if len(terms) < 2 or len(operands) < 2:
-        return False  # one operand: a sum or trace, no bmm
-    letters = [set(filter(str.isalpha, term)) for term in terms]
-    if not arrow:  # implicit output: the indices that appear once, so the summed ones appear twice
-        rhs = "".join(c for c in lhs if c.isalpha() and lhs.count(c) == 1)
-    summed = set().union(*letters) - set(rhs)
-    return any(sum(c in term for term in letters) > 1 for c in summed)
-
-
-# Ops whose rule applies only when the call takes the path torch.autocast casts inside.
-_CONDITIONS: dict[str, Callable[[tuple[Any, ...]], bool]] = {"einsum": _einsum_contracts}
+# Tensor's operator methods reach the mode as the op they call: `x @ y` as "matmul", `x ** y` as
+# "pow", `1 / x` as "__rdiv__" (`__rmatmul__`, a Python method, reaches it as itself and is routed to
+# "matmul"). An override keyed by one applies to that op.
+_OPERATORS = {"__matmul__": "matmul", "__rmatmul__": "matmul", "__pow__": "pow", "__rtruediv__": "__rdiv__"}
+_OPERATORS |= {"__add__": "add", "__radd__": "add", "__sub__": "sub", "__mul__": "mul", "__rmul__": "mul"}
+_OPERATORS |= {"__truediv__": "div", "__div__": "div", "__mod__": "remainder"}
 
 
 def _op_name(op: Any) -> str:
-    if isinstance(op, str):
-        return op.split("::")[-1].split(".")[0]
-    name = getattr(op, "__name__", None)
-    if not isinstance(name, str):
+    if isinstance(op, type):
+        raise TypeError(
+            f"autocast override key {op.__qualname__} is a class; overrides take ops (a function such as "
+            "torch.softmax, or its name), not modules"
+        )
+    qualified = op.split("::")[-1] if isinstance(op, str) else getattr(op, "__name__", None)
+    if not isinstance(qualified, str):
         raise TypeError(f"autocast override key {op!r} is neither an op name nor a function with a __name__")
-    # torch.ops.aten.mm.default is named "mm.default"
-    return name.split(".")[0]
+    name = qualified.split(".")[0]  # torch.ops.aten.mm.default is named "mm.default"
+    return _OPERATORS.get(name, name)
+
+
+@functools.cache
+def _seen_names() -> frozenset[str]:
+    """The names the mode can see a call under: torch's overridable functions and methods, and its ops."""
+    functions = itertools.chain.from_iterable(torch.overrides.get_overridable_functions().values())
+    names = {getattr(f, "__name__", "").split(".")[0] for f in functions}
+    names.update(op.split("::")[-1].split(".")[0] for op in torch._C._dispatch_get_all_op_names())
+    return frozenset({_OPERATORS.get(name, name) for name in names} | set(CALLS) | set(ROUTES))
+
+
+def _check_name(name: str, rules: RuleSet) -> None:
+    # A name the mode never sees would make an override that silently does nothing.
+    known = _seen_names().union(rules, *RULE_SETS.values())
+    if name not in known:
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else "; no torch function or op has that name"
+        raise ValueError(f"unknown op {name!r} in autocast overrides{hint}")
+
+
+def _merge(rules: RuleSet, overrides: Mapping[Any, Override] | None) -> dict[str, Override]:
+    """The rule set with the overrides on top, keyed by op name, each override checked."""
+    if overrides is not None and not isinstance(overrides, Mapping):
+        raise TypeError(f"autocast overrides must be a mapping of op to rule, got {type(overrides).__name__}")
+    merged: dict[str, Override] = dict(rules)
+    for op, value in (overrides or {}).items():
+        name = _op_name(op)
+        _check_name(name, rules)
+        if isinstance(value, torch.dtype) and not value.is_floating_point:
+            raise TypeError(f"autocast override for {name!r} must cast to a floating dtype, got {value}")
+        merged[name] = value
+    return merged
 
 
 def resolve_rules(
     rules: str | RuleSet, dtype: torch.dtype, overrides: Mapping[Any, Override] | None = None
-) -> dict[str, Target]:
-    """Turns a rule set and overrides into the table the mode reads: op name -> dtype or PROMOTE.
+) -> dict[str, Target | None]:
+    """Turns a rule set and overrides into the table the mode reads: op name -> dtype, PROMOTE or None.
 
     Args:
         rules: "cuda", "cpu", or a mapping of op name to `Cast`.
         dtype: The lower dtype, float16 or bfloat16.
-        overrides: Op (a function such as `torch.softmax`, or its name) -> a `Cast`, a dtype to
-            always cast to, or None to leave the op uncast.
+        overrides: Op (a function such as `torch.softmax`, or its name) -> a `Cast`, a floating
+            dtype to always cast to, or None to leave the op uncast.
 
     Returns:
-        A dict from op name to the dtype its inputs are cast to, or `Cast.PROMOTE`.
+        A dict from op name to the dtype its inputs are cast to, `Cast.PROMOTE`, or None for an op
+        overridden to stay uncast (where the rule of an op it calls inside no longer applies).
 
     Raises:
-        ValueError: For an unknown rule-set name.
-        TypeError: For a dtype that is not float16 or bfloat16, or a value that is not a Cast.
+        ValueError: For an unknown rule-set name, or an override of an op no torch function has
+            the name of.
+        TypeError: For a dtype that is not float16 or bfloat16, overrides that are not a mapping, an
+            override keyed by a class, or a value that is not a Cast, a floating dtype or None.
     """
     if dtype not in _LOW_DTYPES:
         raise TypeError(f"autocast dtype must be torch.float16 or torch.bfloat16, got {dtype!r}")
@@ -171,14 +210,9 @@ def resolve_rules(
         if rules not in RULE_SETS:
             raise ValueError(f"unknown autocast rule set {rules!r}; accepted: {', '.join(RULE_SETS)} or a mapping")
         rules = RULE_SETS[rules]
-    merged: dict[str, Override] = dict(rules)
-    for op, value in (overrides or {}).items():
-        merged[_op_name(op)] = value
-    table: dict[str, Target] = {}
-    for name, value in merged.items():
-        if value is None:
-            continue
-        if isinstance(value, torch.dtype):
+    table: dict[str, Target | None] = {}
+    for name, value in _merge(rules, overrides).items():
+        if value is None or isinstance(value, torch.dtype):
             table[name] = value
         elif value is Cast.LOWER:
             table[name] = dtype
@@ -218,10 +252,11 @@ class AutocastMode(TorchFunctionMode):
     its calls through while another fmp region is active.
 
     Args:
-        table: Op name -> target, as `resolve_rules` returns it; empty to disable autocast.
+        table: Op name -> target, as `resolve_rules` returns it (None: the op's inputs are not cast);
+            empty to disable autocast.
     """
 
-    def __init__(self, table: Mapping[str, Target]) -> None:
+    def __init__(self, table: Mapping[str, Target | None]) -> None:
         super().__init__()
         self.table = table
 
@@ -256,18 +291,9 @@ class AutocastMode(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if isinstance(func, torch._ops.OpOverload):
             name = func.overloadpacket.__name__  # torch.ops.aten.mm.default is named "mm.default"
-        target = self.table.get(name)
-        if target is not None and name in _CONDITIONS and not _CONDITIONS[name](args):
-            return _call(func, args, kwargs)
+        target = self._target(name, args, kwargs)
         if target is None:
-            # Unlisted. A Python composite (F.multi_head_attention_forward) runs its body with the
-            # mode on so its inner ops are cast; a builtin has no inner torch calls.
-            if _redispatch is not None and getattr(func, "__module__", None) in _COMPOSITE_MODULES:
-                body = _PLAIN_COPIES.get(func) if torch.compiler.is_compiling() else func
-                if body is not None:
-                    with self:
-                        return _redispatch(body, types, args, kwargs)
-            return _call(func, args, kwargs)
+            return self._uncast(func, name, types, args, kwargs)
         # out= and an explicit dtype= opt an op out of autocast, as under torch.autocast.
         if kwargs.get("out") is not None or kwargs.get("dtype") is not None:
             return _call(func, args, kwargs)
@@ -283,6 +309,33 @@ class AutocastMode(TorchFunctionMode):
             return _call(func, args, kwargs)
         raise RuntimeError(_BCE_FLOAT16_ERROR)  # Cast.FLOAT32_UNLESS_FLOAT16 under float16
 
+    def _target(self, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Target | None:
+        """The rule of the first op on the call's path that the table lists; None if none does."""
+        if name in self.table:
+            return self.table[name]
+        for inner in call_path(name, args, kwargs):
+            if inner in self.table:
+                return self.table[inner]
+        return None
+
+    def _uncast(self, func: Any, name: str, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Runs a call whose own inputs are not cast; the ops a composite calls inside still follow the rules."""
+        if name in {"matrix_power", "linalg_matrix_power"} and negative_power(args, kwargs):
+            return self._inverse_first(func, types, args, kwargs)
+        # A Python composite (F.multi_head_attention_forward) runs its body with the mode on so its
+        # inner ops are cast; a builtin has no inner torch calls.
+        if _redispatch is not None and getattr(func, "__module__", None) in _COMPOSITE_MODULES:
+            body = _PLAIN_COPIES.get(func) if torch.compiler.is_compiling() else func
+            if body is not None:
+                with self:
+                    return _redispatch(body, types, args, kwargs)
+        return _call(func, args, kwargs)
+
+    def _inverse_first(self, func: Any, types: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+        """A negative matrix power as torch computes one: the inverse, by its own rule, to the power -n."""
+        matrix, n = argument(args, kwargs, 0, "input"), argument(args, kwargs, 1, "n")
+        return self.__torch_function__(func, types, (self.__torch_function__(torch.linalg.inv, types, (matrix,)), -n))
+
 
 def autocast(
     fn: Callable[P, R],
@@ -297,26 +350,35 @@ def autocast(
     to `dtype`; softmax, norms, losses, exp/log/pow and reductions to float32; "promote" ops
     (addcmul, atan2, ...) to the widest dtype among their inputs. As under torch.autocast, float64
     and non-floating tensors are never cast, in-place ops and calls with `out=` or an explicit
-    `dtype=` are not cast, and every other op runs in the dtypes of its inputs.
+    `dtype=` are not cast, and every other op runs in the dtypes of its inputs. A call torch
+    splits up in C++ follows the rule of the op torch.autocast catches inside it: `x.square()`
+    that of pow, `torch.special.softmax` that of softmax, `F.pad(x, p, mode="reflect")` that of
+    reflection_pad2d, a fully contracted tensordot that of dot.
 
     The default "cuda" rules are torch's CUDA lists on every device: on CPU they keep softmax
     and layer_norm in float32 where torch.autocast("cpu") runs them in bfloat16. "cpu" gives
     torch's CPU lists, for parity with torch.autocast("cpu"). Nothing outlives the call: the
     casting is active only while `fn` runs, and in nested regions the innermost one's rules win.
+    So a generator function's body, which runs when it is iterated, after `fn` has returned the
+    generator, is not cast: wrap the function that iterates it.
 
     Args:
         fn: The function to transform.
         dtype: The lower dtype: torch.float16 or torch.bfloat16.
         rules: "cuda", "cpu", or a mapping of op name to `fmp.autocast_rules.Cast`.
         overrides: Per-op changes on top of `rules`: op (a function such as `torch.softmax`, or its
-            name, e.g. "layer_norm") -> a `Cast`, a dtype to always cast to, or None for no cast.
+            name, e.g. "layer_norm"; `x @ y` is "matmul") -> a `Cast`, a floating dtype to always
+            cast to, or None for no cast. An override of an inner op (pow) applies to the calls
+            that reach it (`x.square()`).
 
     Returns:
         A function with `fn`'s signature.
 
     Raises:
-        TypeError, ValueError: For a bad dtype, rule set or override, when `autocast` is called
-            (not when the returned function is), so a typo fails before any compute.
+        TypeError, ValueError: For a bad dtype, rule set or override (an op name no torch function
+            has, a class, a dtype that is not floating, overrides that are not a mapping), when
+            `autocast` is called (not when the returned function is), so a typo fails before any
+            compute.
         RuntimeError: From the returned function, for `binary_cross_entropy` under float16.
     """
     table = resolve_rules(rules, dtype, overrides)

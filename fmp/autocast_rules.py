@@ -2,19 +2,24 @@
 
 Each rule set maps an op name to a `Cast`. Names are torch's op names as `__name__` gives them
 (`torch.mm`, `Tensor.mm` and `torch.ops.aten.mm` are all "mm"; `F.layer_norm` and
-`torch.layer_norm` are "layer_norm"; `torch.linalg.inv` is "linalg_inv"; `Tensor.__matmul__` is
-"__matmul__"). An op not in a rule set runs in the dtypes of its inputs. In-place variants
-("addmm_") are never in a rule set, so they are never cast, as under torch.autocast.
+`torch.layer_norm` are "layer_norm"; `torch.linalg.inv` is "linalg_inv"; `x @ y` is "matmul"). An
+op not in a rule set runs in the dtypes of its inputs. In-place variants ("addmm_") are never in a
+rule set, so they are never cast, as under torch.autocast.
 
 The lists are the op reference of the torch.amp documentation (`torch.autocast`'s "CUDA Ops that
 can autocast to float16 / float32 / promote" and "CPU Ops that can autocast to bfloat16 / float32 /
 promote"), with the docs' spellings mapped to op names: "GRUCell" is "gru_cell", "multi_dot" is
 "linalg_multi_dot" and so on. Build your own by copying one: `{**CUDA, "softmax": Cast.LOWER}`.
 
-Each set also lists the unlisted ops that torch splits up in C++ into listed ones (einsum into bmm,
-tensordot into mm, LSTM into mkldnn_rnn_layer or cuDNN's autocast RNN): fmp sees such an op as one
-call, so it casts the whole op where torch.autocast casts its inner matmuls. einsum is cast only
-when torch's would reach bmm (an index summed over two operands); see `_COMPOSITES_*` below.
+A call whose public name is not that of the op torch.autocast catches follows that op's rule in
+every rule set, so the sets leave such names out: `x.square()` follows "pow",
+`torch.special.log_softmax` "log_softmax", `torch.linalg.matmul` and `x.__rmatmul__(y)` "matmul";
+and where torch's path depends on the arguments, einsum follows "bmm" when it sums an index over
+two operands, tensordot "mm" ("dot" when fully contracted), `F.pad(x, (1, 1, 1, 1),
+mode="reflect")` "reflection_pad2d" (the routes in fmp/autocast.py). Each set also lists the RNN
+ops that torch splits up in C++ into listed ones (LSTM into mkldnn_rnn_layer or cuDNN's autocast
+RNN): fmp sees such an op as one call, so it casts the whole op where torch.autocast casts its
+inner matmuls.
 """
 
 from __future__ import annotations
@@ -53,20 +58,20 @@ def _rules(lower: str, float32: str, promote: str, **extra: Cast) -> RuleSet:
     return MappingProxyType(table | extra)
 
 
-# C++ composites whose inner matmuls torch.autocast casts (measured on CPU with torch 2.13; on CUDA,
-# tensordot stays a promote op, whose wrapper turns autocast off inside, and GRU goes through cuDNN).
-_COMPOSITES_CUDA = dict.fromkeys(["einsum", "lstm", "gru", "rnn_tanh", "rnn_relu"], _L)
-_COMPOSITES_CPU = dict.fromkeys(["einsum", "tensordot", "inner", "chain_matmul", "linalg_multi_dot", "lstm"], _L)
-_COMPOSITES_CPU |= dict.fromkeys(["rnn_tanh", "rnn_relu", "rnn_tanh_cell", "rnn_relu_cell"], _L)
+# RNN ops whose inner matmuls torch.autocast casts (measured on CPU with torch 2.13; on CUDA GRU
+# goes through cuDNN).
+_COMPOSITES_CUDA = dict.fromkeys(["lstm", "gru", "rnn_tanh", "rnn_relu"], _L)
+_COMPOSITES_CPU = dict.fromkeys(["lstm", "rnn_tanh", "rnn_relu", "rnn_tanh_cell", "rnn_relu_cell"], _L)
 
-# The CUDA lists (float16 and bfloat16 share them): the docs' lists plus every op torch registers
-# for the AutocastCUDA dispatch key (rms_norm, logsumexp, the vector norms, the upsample family, ...;
-# tests/test_autocast.py checks them against torch.autocast("cuda") on fake CUDA tensors). "cuda" is
+# The CUDA lists (float16 and bfloat16 share them): the docs' lists (whose `__matmul__`, `__pow__` and
+# `__rtruediv__` reach the mode as matmul, pow and __rdiv__) plus every op torch registers for the
+# AutocastCUDA dispatch key (einsum, rms_norm, logsumexp, the vector norms, the upsample family, ...;
+# tests/test_autocast_cuda_rules.py checks them against torch.autocast("cuda") on fake CUDA tensors). "cuda" is
 # fmp's default on every device, CPU included, where torch.autocast("cpu") would run softmax and
 # layer_norm in bfloat16.
 CUDA: RuleSet = _rules(
     lower="""
-        __matmul__ __rmatmul__ addbmm addmm addmv addr baddbmm bmm chain_matmul linalg_multi_dot
+        addbmm addmm addmv addr baddbmm bmm chain_matmul einsum linalg_multi_dot
         conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d
         gru_cell linear lstm_cell matmul mm mv prelu rnn_relu_cell rnn_tanh_cell
         conv_tbc convolution _convolution cudnn_convolution cudnn_convolution_transpose linalg_vecdot
@@ -74,7 +79,7 @@ CUDA: RuleSet = _rules(
         _thnn_fused_lstm_cell
     """,
     float32="""
-        __pow__ __rdiv__ __rpow__ __rtruediv__ acos asin binary_cross_entropy_with_logits cosh
+        __rdiv__ __rpow__ acos asin binary_cross_entropy_with_logits cosh
         cosine_embedding_loss cdist cosine_similarity cross_entropy cumprod cumsum dist erfinv exp expm1
         group_norm hinge_embedding_loss kl_div l1_loss layer_norm log log_softmax log10 log1p log2
         margin_ranking_loss mse_loss multilabel_margin_loss multi_margin_loss nll_loss norm normalize pdist
@@ -97,7 +102,7 @@ CPU: RuleSet = _rules(
     lower="""
         conv1d conv2d conv3d bmm mm linalg_vecdot baddbmm addmm addbmm linear matmul _convolution conv_tbc
         mkldnn_rnn_layer conv_transpose1d conv_transpose2d conv_transpose3d prelu scaled_dot_product_attention
-        _native_multi_head_attention _addmm_activation __matmul__ __rmatmul__
+        _native_multi_head_attention _addmm_activation
     """,
     float32="""
         avg_pool3d binary_cross_entropy grid_sampler grid_sampler_2d _grid_sampler_2d_cpu_fallback

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import operator
 import warnings
 from collections.abc import Callable
 from collections.abc import Iterator
@@ -170,7 +171,7 @@ def _cuda_sample(name: str) -> tuple[Callable[..., Any], tuple[Any, ...], dict[s
         return modules[name](4, 4), (torch.randn(2, 4),), {}  # a cell's batch, or an unbatched sequence
     if name == "einsum":
         return torch.einsum, ("ij,jk->ik", torch.randn(3, 4), torch.randn(4, 5)), {}
-    if name in {"__pow__", "__rpow__", "__rdiv__", "__rtruediv__", "__matmul__", "__rmatmul__"}:
+    if name in {"__rpow__", "__rdiv__"}:
         m = torch.rand(4, 4) + 0.5
         return getattr(torch.Tensor, name), (m, m), {}
     if name in {"index_put", "scatter_add"}:
@@ -230,7 +231,7 @@ def test_cuda_rules_on_cpu_land_where_the_docs_say(dtype: torch.dtype) -> None:
 
 
 def test_seed_lists_are_the_cuda_rules() -> None:
-    lower = {"__matmul__", "addmm", "bmm", "conv2d", "linear", "matmul", "mm", "prelu"}
+    lower = {"addmm", "bmm", "conv2d", "einsum", "linear", "matmul", "mm", "prelu"}
     float32 = {"softmax", "log_softmax", "layer_norm", "group_norm", "exp", "log", "pow", "sum", "mse_loss", "norm"}
     assert {CUDA[name] for name in lower} == {Cast.LOWER}
     assert {CUDA[name] for name in float32} == {Cast.FLOAT32}
@@ -284,6 +285,52 @@ def test_overrides_and_custom_rule_sets() -> None:
         autocast(torch.mm, torch.float32)
     with pytest.raises(TypeError, match="rule for 'mm' must be a Cast"):
         resolve_rules("cuda", torch.bfloat16, {"mm": "low"})  # type: ignore[dict-item]
+    # The README's example, and ops keyed as aten ops.
+    readme = {torch.softmax: torch.float32, "layer_norm": None}
+    normed = autocast(lambda x: F.layer_norm(torch.softmax(x, -1), (4,)), torch.bfloat16, rules="cpu", overrides=readme)
+    assert normed(x).dtype == torch.float32
+    for key in ("aten::mm.default", torch.ops.aten.mm, torch.ops.aten.mm.default):
+        assert autocast(torch.mm, torch.bfloat16, overrides={key: torch.float32})(x, x).dtype == torch.float32
+
+
+BAD_OVERRIDES: dict[str, tuple[Any, type[Exception], str]] = {
+    "typo": ({"sofmax": torch.float32}, ValueError, r"^unknown op 'sofmax' in autocast .*did you mean 'softmax'\?$"),
+    "near_miss": ({"layernorm": None}, ValueError, "unknown op 'layernorm' .*did you mean 'layer_norm'"),
+    "nonsense": ({"qqqqqqq": None}, ValueError, "unknown op 'qqqqqqq' .*no torch function or op has that name"),
+    "user_function": ({_dtypes: None}, ValueError, "unknown op '_dtypes'"),
+    "class": ({nn.Linear: torch.float32}, TypeError, "key Linear is a class; overrides take ops"),
+    "int_dtype": ({torch.softmax: torch.int64}, TypeError, "'softmax' must cast to a floating dtype, got torch.int64"),
+    "complex_dtype": ({"mm": torch.complex64}, TypeError, "'mm' must cast to a floating dtype"),
+    "pairs": ([("softmax", torch.float32)], TypeError, "overrides must be a mapping of op to rule, got list"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_OVERRIDES)
+def test_bad_overrides_fail_before_any_compute(case: str) -> None:
+    overrides, error, message = BAD_OVERRIDES[case]
+    with pytest.raises(error, match=message):
+        autocast(torch.softmax, torch.bfloat16, overrides=overrides)
+
+
+@pytest.mark.parametrize("key", ["__matmul__", "__rmatmul__", "matmul", torch.Tensor.__matmul__, torch.matmul])
+def test_matmul_overrides_apply_to_the_operator(key: Any) -> None:
+    # `x @ y` reaches the mode as matmul, and `__rmatmul__` (a Python method) is routed to it.
+    x = torch.randn(3, 3)
+    for call in (operator.matmul, torch.Tensor.__rmatmul__, torch.matmul):
+        assert autocast(call, torch.bfloat16)(x, x).dtype == torch.bfloat16
+        assert autocast(call, torch.bfloat16, overrides={key: torch.float32})(x, x).dtype == torch.float32
+
+
+def test_overrides_of_an_inner_op_reach_the_calls_routed_to_it() -> None:
+    x, m = torch.randn(4, dtype=torch.float16), torch.randn(3, 3)
+    assert autocast(torch.square, torch.float16)(x).dtype == torch.float32  # square is pow
+    assert autocast(torch.square, torch.float16, overrides={"pow": None})(x).dtype == torch.float16
+    assert autocast(torch.square, torch.float16, overrides={"square": None})(x).dtype == torch.float16
+    assert autocast(torch.Tensor.square, torch.float16, overrides={"__pow__": None})(x).dtype == torch.float16
+    contract = functools.partial(torch.einsum, "ij,jk->ik")
+    assert autocast(contract, torch.bfloat16, rules="cpu")(m, m).dtype == torch.bfloat16  # reaches bmm
+    assert autocast(contract, torch.bfloat16, rules="cpu", overrides={"einsum": None})(m, m).dtype == torch.float32
+    assert autocast(contract, torch.bfloat16, rules="cpu", overrides={"bmm": None})(m, m).dtype == torch.float32
 
 
 def test_cuda_rules_differ_from_torch_cpu_on_softmax_and_layer_norm() -> None:
@@ -365,8 +412,10 @@ def test_cpu_rules_match_torch_autocast_cpu_on_composites(name: str) -> None:
 
 def test_cuda_rules_cast_einsum_and_keep_tensordot_a_promote_op() -> None:
     a, b = torch.randn(3, 4), torch.randn(4, 5)
+    # torch registers einsum for AutocastCUDA: every einsum is cast there, on CPU only those reaching bmm.
     assert autocast(torch.einsum, torch.float16)("ij,jk->ik", a, b).dtype == torch.float16
-    assert autocast(torch.einsum, torch.float16)("ij,ij->ij", a, a).dtype == torch.float32
+    assert autocast(torch.einsum, torch.float16)("ij,ij->ij", a, a).dtype == torch.float16
+    assert autocast(torch.einsum, torch.float16, rules="cpu")("ij,ij->ij", a, a).dtype == torch.float32
     # On CUDA tensordot's promote wrapper turns autocast off for its inner mm: it stays float32.
     assert autocast(torch.tensordot, torch.float16)(a, b, 1).dtype == torch.float32
 

@@ -75,3 +75,27 @@ def test_cuda_rules_give_torch_cuda_autocasts_dtypes(dtype: torch.dtype, input_d
         assert got == expected, name
         checked.append(name)
     assert len(checked) >= 50, checked
+
+
+EINSUMS = {
+    "ij,jk->ik": [(3, 4), (4, 5)],
+    "bhqd,bhkd->bhqk": [(1, 2, 3, 4), (1, 2, 3, 4)],
+    "i,i->": [(4,), (4,)],
+    "ij,ij->ij": [(3, 4), (3, 4)],  # no index summed over two operands: no bmm on CPU
+    "i,j->ij": [(3,), (4,)],
+    "ij->j": [(3, 4)],
+    "ii": [(3, 3)],
+}
+
+
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("equation", EINSUMS)
+def test_cuda_rules_cast_every_einsum_as_torch_cuda_does(equation: str, dtype: torch.dtype) -> None:
+    # torch registers einsum itself for AutocastCUDA, so the CUDA path never reaches the bmm test
+    # that decides it on CPU.
+    operands = [torch.randn(shape) for shape in EINSUMS[equation]]
+    for input_dtype in (torch.float32, dtype):
+        args = (equation, *_to(operands, input_dtype))
+        expected = under_torch_cuda_autocast(torch.einsum, args, {}, dtype)
+        assert expected == [dtype]
+        assert _outcome(lambda args=args: autocast(torch.einsum, dtype, rules="cuda")(*args)) == expected
