@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 from typing import NamedTuple
@@ -12,9 +13,9 @@ import torch.utils._pytree as pytree
 from fmp._checks import check_real
 from fmp.optim._base import LearningRate
 from fmp.optim._base import Optimizer
-from fmp.optim._base import check_like_params
 from fmp.optim._base import check_lr
 from fmp.optim._base import check_state
+from fmp.optim._base import leaves_like_params
 from fmp.optim._base import scheduled_lr
 from fmp.optim._base import step_counter
 from fmp.optim._base import tree_zeros_like
@@ -62,9 +63,8 @@ def _adam(
 
     def update(grads: Any, state: AdamState, params: Any) -> tuple[Any, AdamState]:
         check_state(name, state, AdamState)
-        check_like_params(
-            name, params, {"grads": grads, "opt_state.exp_avg": state.exp_avg, "opt_state.exp_avg_sq": state.exp_avg_sq}
-        )
+        trees = {"grads": grads, "opt_state.exp_avg": state.exp_avg, "opt_state.exp_avg_sq": state.exp_avg_sq}
+        spec, param_leaves, (grad_leaves, exp_avg_leaves, exp_avg_sq_leaves) = leaves_like_params(name, params, trees)
         # A schedule sees the applied steps before this one; a float lr passes through as is. A
         # scheduled lr is taken in double precision, as torch takes a Python float lr.
         lr_now = scheduled_lr(lr, state.step)
@@ -83,15 +83,15 @@ def _adam(
             scalars.append(1.0 - lr_now * weight_decay)
         step_scalars = torch.stack(scalars)
         if not decoupled and weight_decay:
-            grads = pytree.tree_map(lambda g, p: torch.add(g, p, alpha=weight_decay), grads, params)
-        exp_avg = pytree.tree_map(
-            lambda m, g: _like(torch.lerp(_real(m), _real(g), 1.0 - beta1), m), state.exp_avg, grads
-        )
-        exp_avg_sq = pytree.tree_map(
-            lambda v, g: _like(torch.addcmul(_real(v) * beta2, _real(g), _real(g), value=1.0 - beta2), v),
-            state.exp_avg_sq,
-            grads,
-        )
+            grad_leaves = [torch.add(g, p, alpha=weight_decay) for g, p in zip(grad_leaves, param_leaves, strict=True)]
+        exp_avg = [
+            _like(torch.lerp(_real(m), _real(g), 1.0 - beta1), m)
+            for m, g in zip(exp_avg_leaves, grad_leaves, strict=True)
+        ]
+        exp_avg_sq = [
+            _like(torch.addcmul(_real(v) * beta2, _real(g), _real(g), value=1.0 - beta2), v)
+            for v, g in zip(exp_avg_sq_leaves, grad_leaves, strict=True)
+        ]
 
         def new_param(complex_param: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             param, m, v = _real(complex_param), _real(m), _real(v)
@@ -108,8 +108,9 @@ def _adam(
             update = scalars[0] * m.to(opmath) / denom.to(opmath)
             return _like((param.to(opmath) - update).to(param.dtype), complex_param)
 
-        new_params = pytree.tree_map(new_param, params, exp_avg, exp_avg_sq)
-        return new_params, AdamState(step, exp_avg, exp_avg_sq)
+        new_params = [new_param(p, m, v) for p, m, v in zip(param_leaves, exp_avg, exp_avg_sq, strict=True)]
+        unflatten = functools.partial(pytree.tree_unflatten, treespec=spec)
+        return unflatten(new_params), AdamState(step, unflatten(exp_avg), unflatten(exp_avg_sq))
 
     return Optimizer(init, update)
 

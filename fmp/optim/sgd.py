@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 from typing import NamedTuple
@@ -12,9 +13,9 @@ import torch.utils._pytree as pytree
 from fmp._checks import check_real
 from fmp.optim._base import LearningRate
 from fmp.optim._base import Optimizer
-from fmp.optim._base import check_like_params
 from fmp.optim._base import check_lr
 from fmp.optim._base import check_state
+from fmp.optim._base import leaves_like_params
 from fmp.optim._base import scheduled_lr
 from fmp.optim._base import step_counter
 from fmp.optim._base import tree_zeros_like
@@ -102,9 +103,11 @@ def sgd(
                     f"sgd without momentum keeps no state, got {type(state).__name__}: "
                     f"was it created by another optimizer's init?"
                 )
-            check_like_params("sgd", params, {"grads": grads})
-            new_params = pytree.tree_map(lambda g, p: torch.add(p, direction(g, p), alpha=-fixed_lr), grads, params)
-            return new_params, state
+            spec, param_leaves, (grad_leaves,) = leaves_like_params("sgd", params, {"grads": grads})
+            new_params = [
+                torch.add(p, direction(g, p), alpha=-fixed_lr) for g, p in zip(grad_leaves, param_leaves, strict=True)
+            ]
+            return pytree.tree_unflatten(new_params, spec), state
 
         return Optimizer(init_stateless, update_stateless)
 
@@ -115,15 +118,15 @@ def sgd(
 
     def update(grads: Any, state: SgdState, params: Any) -> tuple[Any, SgdState]:
         check_state(name, state, SgdState)
-        check_like_params(
-            name, params, {"grads": grads, **({"opt_state.momentum": state.momentum} if momentum else {})}
-        )
         lr_now = scheduled_lr(lr, state.step)
         if not momentum:
             if pytree.tree_leaves(state.momentum):
                 raise TypeError(f"{name} keeps no momentum buffers: was its state created by another optimizer's init?")
-            new_params = pytree.tree_map(lambda g, p: _descend(p, direction(g, p), lr_now), grads, params)
-            return new_params, SgdState(state.step + 1, state.momentum)
+            spec, param_leaves, (grad_leaves,) = leaves_like_params(name, params, {"grads": grads})
+            new_params = [_descend(p, direction(g, p), lr_now) for g, p in zip(grad_leaves, param_leaves, strict=True)]
+            return pytree.tree_unflatten(new_params, spec), SgdState(state.step + 1, state.momentum)
+        trees = {"grads": grads, "opt_state.momentum": state.momentum}
+        spec, param_leaves, (grad_leaves, buffer_leaves) = leaves_like_params(name, params, trees)
         # torch seeds the buffer with the first step's direction, undamped.
         first_step = state.step == 0
 
@@ -131,12 +134,14 @@ def sgd(
             d = direction(grad, param)
             return torch.where(first_step, d, torch.add(buf * momentum, d, alpha=1.0 - dampening))
 
-        buffers = pytree.tree_map(new_buffer, grads, params, state.momentum)
+        buffers = [new_buffer(*leaves) for leaves in zip(grad_leaves, param_leaves, buffer_leaves, strict=True)]
 
         def new_param(grad: torch.Tensor, param: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
             step = torch.add(direction(grad, param), buf, alpha=momentum) if nesterov else buf
             return _descend(param, step, lr_now)
 
-        return pytree.tree_map(new_param, grads, params, buffers), SgdState(state.step + 1, buffers)
+        new_params = [new_param(*leaves) for leaves in zip(grad_leaves, param_leaves, buffers, strict=True)]
+        unflatten = functools.partial(pytree.tree_unflatten, treespec=spec)
+        return unflatten(new_params), SgdState(state.step + 1, unflatten(buffers))
 
     return Optimizer(init, update)
