@@ -2,8 +2,8 @@
 
 The rule for a non-finite micro-batch, or for finite ones whose sum overflows: the window's
 optimizer step is skipped whole (params and optimizer state kept bit for bit), and the scale backs
-off once, when the window ends. The scale
-stays fixed inside a window, so every micro-batch's gradients are unscaled by the same factor.
+off once, when the window ends. The scale stays fixed inside a window, so every micro-batch's
+gradients are unscaled by the same factor.
 """
 
 from __future__ import annotations

@@ -155,23 +155,37 @@ def _seen_names() -> frozenset[str]:
     return frozenset({_OPERATORS.get(name, name) for name in names} | set(CALLS) | set(ROUTES))
 
 
-def _check_name(name: str, rules: RuleSet) -> None:
-    # A name the mode never sees would make an override that silently does nothing.
-    known = _seen_names().union(rules, *RULE_SETS.values())
+def _check_name(name: str, where: str) -> None:
+    # A name the mode never sees would make a rule that silently does nothing.
+    if name in _seen_names() or any(name in rules for rules in RULE_SETS.values()):
+        return
+    _seen_names.cache_clear()  # a custom op registered (torch.library) since the names were read
+    known = _seen_names().union(*RULE_SETS.values())
     if name not in known:
         close = difflib.get_close_matches(name, known, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else "; no torch function or op has that name"
-        raise ValueError(f"unknown op {name!r} in autocast overrides{hint}")
+        raise ValueError(f"unknown op {name!r} in autocast {where}{hint}")
 
 
-def _merge(rules: RuleSet, overrides: Mapping[Any, Override] | None) -> dict[str, Override]:
+def _checked_rules(rules: Mapping[Any, Override]) -> dict[str, Override]:
+    """A custom rule set keyed by op name, each name checked as an override's is."""
+    checked: dict[str, Override] = {}
+    for op, value in rules.items():
+        name = _op_name(op)
+        _check_name(name, "rules")
+        checked[name] = value
+    return checked
+
+
+def _merge(rules: Mapping[str, Override], overrides: Mapping[Any, Override] | None) -> dict[str, Override]:
     """The rule set with the overrides on top, keyed by op name, each override checked."""
     if overrides is not None and not isinstance(overrides, Mapping):
         raise TypeError(f"autocast overrides must be a mapping of op to rule, got {type(overrides).__name__}")
     merged: dict[str, Override] = dict(rules)
     for op, value in (overrides or {}).items():
         name = _op_name(op)
-        _check_name(name, rules)
+        if name not in rules:
+            _check_name(name, "overrides")
         if isinstance(value, torch.dtype) and not value.is_floating_point:
             raise TypeError(f"autocast override for {name!r} must cast to a floating dtype, got {value}")
         merged[name] = value
@@ -194,8 +208,8 @@ def resolve_rules(
         overridden to stay uncast (where the rule of an op it calls inside no longer applies).
 
     Raises:
-        ValueError: For an unknown rule-set name, or an override of an op no torch function has
-            the name of.
+        ValueError: For an unknown rule-set name, or a rule or override of an op no torch
+            function has the name of.
         TypeError: For a dtype that is not float16 or bfloat16, overrides that are not a mapping, an
             override keyed by a class, or a value that is not a Cast, a floating dtype or None.
     """
@@ -206,12 +220,15 @@ def resolve_rules(
             f"autocast rules must be a rule-set name ({', '.join(RULE_SETS)}) or a mapping of op name to Cast, "
             f"got {type(rules).__name__}; without rules, call the function as it is"
         )
+    base: Mapping[str, Override]
     if isinstance(rules, str):
         if rules not in RULE_SETS:
             raise ValueError(f"unknown autocast rule set {rules!r}; accepted: {', '.join(RULE_SETS)} or a mapping")
-        rules = RULE_SETS[rules]
+        base = RULE_SETS[rules]
+    else:
+        base = rules if any(rules is built_in for built_in in RULE_SETS.values()) else _checked_rules(rules)
     table: dict[str, Target | None] = {}
-    for name, value in _merge(rules, overrides).items():
+    for name, value in _merge(base, overrides).items():
         if value is None or isinstance(value, torch.dtype):
             table[name] = value
         elif value is Cast.LOWER:

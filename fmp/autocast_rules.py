@@ -14,9 +14,10 @@ promote"), with the docs' spellings mapped to op names: "GRUCell" is "gru_cell",
 A call whose public name is not that of the op torch.autocast catches follows that op's rule in
 every rule set, so the sets leave such names out: `x.square()` follows "pow",
 `torch.special.log_softmax` "log_softmax", `torch.linalg.matmul` and `x.__rmatmul__(y)` "matmul";
-and where torch's path depends on the arguments, einsum follows "bmm" when it sums an index over
-two operands, tensordot "mm" ("dot" when fully contracted), `F.pad(x, (1, 1, 1, 1),
-mode="reflect")` "reflection_pad2d" (the routes in fmp/autocast.py). Each set also lists the RNN
+and where torch's path depends on the arguments, tensordot follows "mm" ("dot" when fully
+contracted), `F.pad(x, (1, 1, 1, 1), mode="reflect")` "reflection_pad2d", and einsum, where a set
+does not list it (the CPU set; torch casts it whole on CUDA), "bmm" when it sums an index over two
+operands (the routes in fmp/autocast_paths.py). Each set also lists the RNN
 ops that torch splits up in C++ into listed ones (LSTM into mkldnn_rnn_layer or cuDNN's autocast
 RNN): fmp sees such an op as one call, so it casts the whole op where torch.autocast casts its
 inner matmuls.

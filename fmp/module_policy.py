@@ -15,8 +15,8 @@ are swapped in for its forward and out again, so gradients flow back to the orig
 own dtype.
 
 Buffers are never cast: BatchNorm's running statistics are updated in place and must stay the
-caller's tensors. A module holding floating buffers has its parameters cast to the buffers' dtype
-instead of the compute dtype (see `module_policies`).
+caller's tensors. A norm layer with running statistics (BatchNorm, InstanceNorm) has its
+parameters cast to the statistics' dtype instead of the compute dtype (see `module_policies`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import TypeVar
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.utils.stateless import _reparametrize_module
 
 from fmp.autocast import AutocastMode
@@ -127,9 +128,12 @@ def _plan(model: nn.Module, policies: Mapping[Any, Policy]) -> tuple[_Match, ...
 
 
 def _param_dtype(holder: nn.Module, policy: Policy) -> torch.dtype:
-    # Buffers are never cast (BatchNorm updates its running statistics in place), so the parameters of
-    # a module holding floating buffers meet them in their dtype: torch's mixed BatchNorm kernel takes
-    # a 16-bit input with float32 weight and statistics, but not 16-bit weight with float32 statistics.
+    # Buffers are never cast (BatchNorm updates its running statistics in place), so a norm layer's
+    # parameters meet its statistics in their dtype: torch's mixed BatchNorm kernel takes a 16-bit
+    # input with float32 weight and statistics, but not 16-bit weight with float32 statistics. Other
+    # modules' buffers (a gain, a positional table) are ordinary inputs: their params follow the policy.
+    if not isinstance(holder, _NormBase):
+        return policy.compute_dtype
     dtypes = [buffer.dtype for buffer in holder.buffers(recurse=False) if buffer.is_floating_point()]
     return functools.reduce(torch.promote_types, dtypes) if dtypes else policy.compute_dtype
 
@@ -179,9 +183,10 @@ def module_policies(fn: Callable[P, R], model: nn.Module, policies: Mapping[Any,
     (parameters arrive in whatever dtype the caller keeps them). Modules nested in a matched one
     follow it unless matched themselves.
 
-    Buffers are never cast, so a module holding floating buffers (BatchNorm's running statistics)
-    gets its parameters cast to the buffers' dtype (the widest, should they differ) and only its
-    inputs to the compute dtype: BatchNorm with float32 statistics under a bfloat16 or float16
+    Buffers are never cast, so a norm layer holding floating buffers (`_NormBase`: BatchNorm's and
+    InstanceNorm's running statistics) gets its parameters cast to the buffers' dtype (the widest,
+    should they differ) and only its inputs to the compute dtype; other modules' parameters follow
+    the policy, their buffers being ordinary inputs. BatchNorm with float32 statistics under a bfloat16 or float16
     policy normalizes a 16-bit input with float32 weight and bias, as under `torch.autocast`,
     updates its statistics in place and returns float32 gradients to float32 weight and bias.
     Where torch's kernel refuses the mix, under `vmap` (its batching rule) or for a float64

@@ -228,3 +228,21 @@ def test_finite_micro_batches_whose_sum_overflows_skip_the_window(scaler: Any) -
         assert float(state.scaler.loss_scale) == 0.5
     # The next window starts clean.
     assert bool(state.accumulator.grads_finite) and int(state.accumulator.micro_steps) == 0
+
+
+def test_a_window_sum_that_overflows_backs_off_every_loss_scale() -> None:
+    """No loss is to blame alone when finite micro-batches overflow on adding: every scale backs off."""
+    optimizer = fmp.optim.sgd(1e-3)
+    scalers = (fmp.DynamicLossScale.create(1.0), fmp.DynamicLossScale.create(1.0))
+    state = fmp.TrainState.create({"w": torch.ones(2)}, optimizer, scalers, accumulation_steps=2)
+    before = state
+
+    def two_losses(params: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (params["w"] * x).sum(), params["w"].sum()
+
+    for _ in range(2):
+        state, info = fmp.train_step(two_losses, state, torch.full((2,), 2e38), policy=F32, optimizer=optimizer)
+        assert bool(info.grads_finite)  # each micro-batch's own gradients are finite
+    assert not bool(info.applied)
+    assert_trees_bitwise_equal(state.params, before.params)
+    assert [float(s.loss_scale) for s in state.scaler] == [0.5, 0.5]

@@ -312,6 +312,25 @@ def test_bad_overrides_fail_before_any_compute(case: str) -> None:
         autocast(torch.softmax, torch.bfloat16, overrides=overrides)
 
 
+def test_custom_rule_sets_are_checked_and_keyed_as_overrides() -> None:
+    x = torch.randn(3, 3)
+    rules = {"__matmul__": Cast.LOWER, torch.softmax: Cast.FLOAT32}
+    assert autocast(operator.matmul, torch.bfloat16, rules=rules)(x, x).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"unknown op 'sofmax' in autocast rules; did you mean 'softmax'\?"):
+        autocast(torch.softmax, torch.bfloat16, rules={**CPU, "sofmax": Cast.FLOAT32})
+
+
+def test_a_custom_op_registered_after_the_names_were_read_is_known() -> None:
+    autocast(torch.relu, torch.bfloat16, overrides={"relu": None})  # reads torch's op names
+    assert "relu" not in CPU and "relu" not in CUDA
+    library = torch.library.Library("fmp_test_late", "FRAGMENT")
+    library.define("late_scale(Tensor x) -> Tensor")
+    library.impl("late_scale", lambda x: x * 2, "CompositeExplicitAutograd")
+    x = torch.randn(3)
+    scaled = autocast(torch.ops.fmp_test_late.late_scale, torch.bfloat16, overrides={"late_scale": torch.bfloat16})
+    assert scaled(x).dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("key", ["__matmul__", "__rmatmul__", "matmul", torch.Tensor.__matmul__, torch.matmul])
 def test_matmul_overrides_apply_to_the_operator(key: Any) -> None:
     # `x @ y` reaches the mode as matmul, and `__rmatmul__` (a Python method) is routed to it.

@@ -351,6 +351,36 @@ def test_batch_norm_under_a_16_bit_policy_runs_torch_mixed_kernel(dtype: torch.d
     assert _no_forward_left(model)
 
 
+class ScaledLinear(nn.Linear):
+    """A linear layer with a fixed output gain kept as a floating buffer (not a norm layer)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width, width)
+        self.register_buffer("gain", torch.full((width,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) * self.gain
+
+
+def test_a_module_with_a_floating_buffer_that_is_no_norm_runs_in_the_compute_dtype() -> None:
+    torch.manual_seed(0)
+    layer, x = ScaledLinear(8), torch.randn(4, 8)
+    seen: list[torch.dtype] = []
+    original = F.linear
+
+    def recording_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        seen.extend([x.dtype, weight.dtype])
+        return original(x, weight, bias)
+
+    F.linear = recording_linear  # type: ignore[assignment]
+    try:
+        out = module_policies(layer, layer, {"": fmp.get_policy("c=bf16,o=f32")})(x)
+    finally:
+        F.linear = original
+    assert seen == [torch.bfloat16, torch.bfloat16] and out.dtype == torch.float32
+    assert layer.gain.dtype == torch.float32  # the buffer itself is never cast
+
+
 def test_batch_norm_in_a_matched_model_takes_its_parameters_in_its_statistics_dtype() -> None:
     model = _bn_net(1)
     params, buffers = _bn_state(model)

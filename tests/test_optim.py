@@ -142,8 +142,29 @@ def test_state_or_grads_of_other_params_are_named(optimizer: fmp.optim.Optimizer
     if not torch.utils._pytree.tree_leaves(state):
         return
     other = optimizer.init({"w": torch.ones(4), "v": torch.ones(2)})
-    with pytest.raises(ValueError, match=r"opt_state\.\w+\['w'\] has shape \(4,\), but params\['w'\] has shape \(3,\)"):
+    with pytest.raises(ValueError, match=r"opt_state\.\w+\['w'\] is shape \(4,\), but params\['w'\] has shape \(3,\)"):
         optimizer.update(params, other, params)
     fewer = optimizer.init({"w": torch.ones(3)})
     with pytest.raises(ValueError, match=r"which opt_state.* lacks; was the optimizer state created for other params"):
         optimizer.update(params, fewer, params)
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [fmp.optim.sgd(0.1), fmp.optim.sgd(0.1, momentum=0.9), fmp.optim.adamw()],
+    ids=["sgd", "sgd-momentum", "adamw"],
+)
+def test_state_and_grads_with_keys_in_another_order_are_taken_key_by_key(optimizer: fmp.optim.Optimizer) -> None:
+    params = {"w": torch.linspace(0, 1, 3), "b": torch.linspace(-1, 0, 2)}
+    reordered = {"b": params["b"], "w": params["w"]}
+    grads = {"w": torch.full((3,), 0.5), "b": torch.full((2,), -0.25)}
+    expected_params, expected_state = optimizer.update(grads, optimizer.init(params), params)
+    state = optimizer.init(reordered)
+    new_params, new_state = optimizer.update({"b": grads["b"], "w": grads["w"]}, state, params)
+    assert_trees_bitwise_equal(new_params, expected_params)
+    # The new state keeps the structure it was given (a skipped step keeps the old one leaf by leaf).
+    assert torch.utils._pytree.tree_structure(new_state) == torch.utils._pytree.tree_structure(state)
+    by_key = [
+        [{k: f[k] for k in sorted(f)} if isinstance(f, dict) else f for f in s] for s in (new_state, expected_state)
+    ]
+    assert_trees_bitwise_equal(*by_key)

@@ -22,6 +22,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import fmp
 
 BF16 = fmp.get_policy("params=float32,compute=bfloat16,output=float32")
+F32 = fmp.Policy()
 ADAMW = fmp.optim.adamw(1e-2)
 
 
@@ -121,6 +122,30 @@ def test_eager_donation_changes_nothing() -> None:
     pure, _ = fmp.train_step(mlp_loss, state, x, y, policy=BF16, optimizer=optimizer)
     assert_trees_bitwise_equal(donated, pure)
     assert_unmutated(state, before)
+
+
+def test_a_donated_state_whose_dicts_list_keys_in_another_order_is_written_key_by_key() -> None:
+    optimizer = fmp.optim.sgd(0.1, momentum=0.9)
+    pure = fmp.TrainState.create(mlp_params(), optimizer, fmp.DynamicLossScale.create())
+    momentum = {key: pure.opt_state.momentum[key].clone() for key in reversed(list(pure.opt_state.momentum))}
+    donated = pytree.tree_map(torch.clone, pure)._replace(opt_state=pure.opt_state._replace(momentum=momentum))
+    buffers = {key: t.data_ptr() for key, t in momentum.items()}
+    # The copies into the donated buffers happen while Dynamo traces: no code generation needed.
+    step = torch.compile(
+        functools.partial(fmp.train_step, mlp_loss, policy=F32, optimizer=optimizer, donate=True),
+        backend="eager",
+        fullgraph=True,
+    )
+    for x, y in mlp_batches(3, 0):
+        pure, _ = fmp.train_step(mlp_loss, pure, x, y, policy=F32, optimizer=optimizer)
+        donated, _ = step(donated, x, y)
+        assert list(donated.opt_state.momentum) == list(momentum)  # its own order, kept
+        assert {key: t.data_ptr() for key, t in donated.opt_state.momentum.items()} == buffers
+        by_key = [
+            {key: tree[key] for key in sorted(tree)} for tree in (donated.opt_state.momentum, pure.opt_state.momentum)
+        ]
+        assert_trees_bitwise_equal(*by_key)
+        assert_trees_bitwise_equal(donated.params, pure.params)
 
 
 def test_donating_a_tensor_listed_twice_is_refused() -> None:

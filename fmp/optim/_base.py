@@ -27,6 +27,7 @@ __all__ = [
     "scheduled_lr",
     "step_counter",
     "tree_zeros_like",
+    "unflatten_as",
 ]
 
 Schedule: TypeAlias = Callable[[torch.Tensor], torch.Tensor]
@@ -59,7 +60,7 @@ def check_state(name: str, state: Any, expected: type) -> None:
 
 def leaves_like_params(
     name: str, params: Any, trees: Mapping[str, Any]
-) -> tuple[pytree.TreeSpec, list[Any], list[list[Any]]]:
+) -> tuple[pytree.TreeSpec, list[Any], list[list[Any]], list[pytree.TreeSpec | None]]:
     """Flattens `params` and `trees`, checking each has the params' structure and leaf shapes.
 
     A static check (no host sync) that costs nothing over the flattening an update needs anyway:
@@ -72,31 +73,46 @@ def leaves_like_params(
         trees: The trees that must line up with them (gradients, moment buffers), by name.
 
     Returns:
-        `(spec, param_leaves, leaves)`: the params' tree spec and leaves, and each of `trees`'
-        leaves, in the order given.
+        `(spec, param_leaves, leaves, specs)`: the params' tree spec and leaves; each of `trees`'
+        leaves, in the order given, each in the params' order (a dict whose keys come in another
+        order is taken key by key, as `tree_map` takes it); and each tree's own spec where it
+        differs so (else None), for `unflatten_as`.
 
     Raises:
         ValueError: Naming the tree and the first key or shape that differs.
     """
     param_leaves, param_spec = pytree.tree_flatten(params)
-    all_leaves = []
+    all_leaves, own_specs = [], []
     for what, tree in trees.items():
         hint = "; was the optimizer state created for other params?" if what.startswith("opt_state") else ""
         leaves, spec = pytree.tree_flatten(tree)
-        if spec != param_spec:
-            raise ValueError(
-                f"{name}: {what} must have the params' structure, but {_first_difference(params, tree, what)}{hint}"
-            )
+        own_specs.append(None if spec == param_spec else spec)
+        if own_specs[-1] is not None:
+            try:  # the same keys, in another dict order (as tree_map takes them): the params' order
+                leaves = param_spec.flatten_up_to(tree)
+            except (ValueError, TypeError):
+                difference = _first_difference(params, tree, what)
+                raise ValueError(f"{name}: {what} must have the params' structure, but {difference}{hint}") from None
         for index, (param, leaf) in enumerate(zip(param_leaves, leaves, strict=True)):
-            if isinstance(param, torch.Tensor) and isinstance(leaf, torch.Tensor) and leaf.shape != param.shape:
+            if isinstance(param, torch.Tensor) and not (isinstance(leaf, torch.Tensor) and leaf.shape == param.shape):
                 # Key paths only for the message: flattening with them costs ~10x a plain flatten.
                 key = pytree.keystr(pytree.tree_flatten_with_path(params)[0][index][0])
+                found = f"shape {tuple(leaf.shape)}" if isinstance(leaf, torch.Tensor) else f"a {type(leaf).__name__}"
                 raise ValueError(
-                    f"{name}: {what}{key} has shape {tuple(leaf.shape)}, but params{key} has shape "
-                    f"{tuple(param.shape)}{hint}"
+                    f"{name}: {what}{key} is {found}, but params{key} has shape {tuple(param.shape)}{hint}"
                 )
         all_leaves.append(leaves)
-    return param_spec, param_leaves, all_leaves
+    return param_spec, param_leaves, all_leaves, own_specs
+
+
+def unflatten_as(leaves: list[Any], param_spec: pytree.TreeSpec, spec: pytree.TreeSpec | None) -> Any:
+    """Leaves in the params' order as a tree of `spec` (the params' structure where None).
+
+    An optimizer's new state keeps the structure it was given, dict order included, so a step
+    that keeps the old state leaf by leaf (a skipped one) finds the two alike.
+    """
+    tree = pytree.tree_unflatten(leaves, param_spec)
+    return tree if spec is None else pytree.tree_unflatten(spec.flatten_up_to(tree), spec)
 
 
 def _first_difference(params: Any, tree: Any, what: str) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 from typing import NamedTuple
@@ -19,6 +18,7 @@ from fmp.optim._base import leaves_like_params
 from fmp.optim._base import scheduled_lr
 from fmp.optim._base import step_counter
 from fmp.optim._base import tree_zeros_like
+from fmp.optim._base import unflatten_as
 
 __all__ = ["AdamState", "adam", "adamw"]
 
@@ -64,7 +64,8 @@ def _adam(
     def update(grads: Any, state: AdamState, params: Any) -> tuple[Any, AdamState]:
         check_state(name, state, AdamState)
         trees = {"grads": grads, "opt_state.exp_avg": state.exp_avg, "opt_state.exp_avg_sq": state.exp_avg_sq}
-        spec, param_leaves, (grad_leaves, exp_avg_leaves, exp_avg_sq_leaves) = leaves_like_params(name, params, trees)
+        spec, param_leaves, leaves, specs = leaves_like_params(name, params, trees)
+        grad_leaves, exp_avg_leaves, exp_avg_sq_leaves = leaves
         # A schedule sees the applied steps before this one; a float lr passes through as is. A
         # scheduled lr is taken in double precision, as torch takes a Python float lr.
         lr_now = scheduled_lr(lr, state.step)
@@ -109,8 +110,8 @@ def _adam(
             return _like((param.to(opmath) - update).to(param.dtype), complex_param)
 
         new_params = [new_param(p, m, v) for p, m, v in zip(param_leaves, exp_avg, exp_avg_sq, strict=True)]
-        unflatten = functools.partial(pytree.tree_unflatten, treespec=spec)
-        return unflatten(new_params), AdamState(step, unflatten(exp_avg), unflatten(exp_avg_sq))
+        new_state = AdamState(step, unflatten_as(exp_avg, spec, specs[1]), unflatten_as(exp_avg_sq, spec, specs[2]))
+        return pytree.tree_unflatten(new_params, spec), new_state
 
     return Optimizer(init, update)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 from typing import NamedTuple
@@ -19,6 +18,7 @@ from fmp.optim._base import leaves_like_params
 from fmp.optim._base import scheduled_lr
 from fmp.optim._base import step_counter
 from fmp.optim._base import tree_zeros_like
+from fmp.optim._base import unflatten_as
 
 __all__ = ["SgdState", "sgd"]
 
@@ -103,7 +103,7 @@ def sgd(
                     f"sgd without momentum keeps no state, got {type(state).__name__}: "
                     f"was it created by another optimizer's init?"
                 )
-            spec, param_leaves, (grad_leaves,) = leaves_like_params("sgd", params, {"grads": grads})
+            spec, param_leaves, (grad_leaves,), _ = leaves_like_params("sgd", params, {"grads": grads})
             new_params = [
                 torch.add(p, direction(g, p), alpha=-fixed_lr) for g, p in zip(grad_leaves, param_leaves, strict=True)
             ]
@@ -122,11 +122,11 @@ def sgd(
         if not momentum:
             if pytree.tree_leaves(state.momentum):
                 raise TypeError(f"{name} keeps no momentum buffers: was its state created by another optimizer's init?")
-            spec, param_leaves, (grad_leaves,) = leaves_like_params(name, params, {"grads": grads})
+            spec, param_leaves, (grad_leaves,), _ = leaves_like_params(name, params, {"grads": grads})
             new_params = [_descend(p, direction(g, p), lr_now) for g, p in zip(grad_leaves, param_leaves, strict=True)]
             return pytree.tree_unflatten(new_params, spec), SgdState(state.step + 1, state.momentum)
         trees = {"grads": grads, "opt_state.momentum": state.momentum}
-        spec, param_leaves, (grad_leaves, buffer_leaves) = leaves_like_params(name, params, trees)
+        spec, param_leaves, (grad_leaves, buffer_leaves), specs = leaves_like_params(name, params, trees)
         # torch seeds the buffer with the first step's direction, undamped.
         first_step = state.step == 0
 
@@ -141,7 +141,6 @@ def sgd(
             return _descend(param, step, lr_now)
 
         new_params = [new_param(*leaves) for leaves in zip(grad_leaves, param_leaves, buffers, strict=True)]
-        unflatten = functools.partial(pytree.tree_unflatten, treespec=spec)
-        return unflatten(new_params), SgdState(state.step + 1, unflatten(buffers))
+        return pytree.tree_unflatten(new_params, spec), SgdState(state.step + 1, unflatten_as(buffers, spec, specs[1]))
 
     return Optimizer(init, update)
