@@ -66,6 +66,7 @@ def _tensordot_path(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Path:
     dims_a, dims_b = argument(args, kwargs, 2, "dims_self"), argument(args, kwargs, 3, "dims_other")
     if dims_b is None:  # torch.tensordot's `dims`: a count, a pair of dim lists, or a tensor of either
         dims = argument(args, kwargs, 2, "dims")
+        # A tensor `dims` is read on the host, as torch.tensordot itself reads it.
         dims = 2 if dims is None else dims.tolist() if isinstance(dims, torch.Tensor) else dims
         dims_a, dims_b = (range(a.dim() - dims, a.dim()), range(dims)) if isinstance(dims, int) else dims
     return ("dot",) if _kept_numel(a, dims_a) == 1 == _kept_numel(b, dims_b) else ("mm",)

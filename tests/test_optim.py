@@ -129,11 +129,15 @@ def test_a_state_from_another_optimizer_is_named(
         optimizer.update(params, wrong_state, params)
 
 
-@pytest.mark.parametrize(
+# One optimizer of each state kind: none, momentum buffers, two moment trees.
+each_state_kind = pytest.mark.parametrize(
     "optimizer",
     [fmp.optim.sgd(0.1), fmp.optim.sgd(0.1, momentum=0.9), fmp.optim.adamw()],
     ids=["sgd", "sgd-momentum", "adamw"],
 )
+
+
+@each_state_kind
 def test_state_or_grads_of_other_params_are_named(optimizer: fmp.optim.Optimizer) -> None:
     params = {"w": torch.ones(3), "v": torch.ones(2)}
     state = optimizer.init(params)
@@ -149,11 +153,7 @@ def test_state_or_grads_of_other_params_are_named(optimizer: fmp.optim.Optimizer
         optimizer.update(params, fewer, params)
 
 
-@pytest.mark.parametrize(
-    "optimizer",
-    [fmp.optim.sgd(0.1), fmp.optim.sgd(0.1, momentum=0.9), fmp.optim.adamw()],
-    ids=["sgd", "sgd-momentum", "adamw"],
-)
+@each_state_kind
 def test_state_and_grads_with_keys_in_another_order_are_taken_key_by_key(optimizer: fmp.optim.Optimizer) -> None:
     params = {"w": torch.linspace(0, 1, 3), "b": torch.linspace(-1, 0, 2)}
     reordered = {"b": params["b"], "w": params["w"]}
