@@ -363,7 +363,7 @@ class DynamicLossScale(_TensorScale):
                 f"not a GradScaler or fmp.DynamicLossScale state_dict: missing keys {missing}, unknown keys {unknown}"
             )
         scaler = cls.create(
-            init_scale=state_dict["scale"],
+            init_scale=_scale_tensor(state_dict["scale"], "state_dict['scale']", device),
             growth_factor=state_dict["growth_factor"],
             backoff_factor=state_dict["backoff_factor"],
             growth_interval=state_dict["growth_interval"],

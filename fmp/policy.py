@@ -132,7 +132,7 @@ class Policy:
             dtype = getattr(self, field.name)
             if dtype is None and field.name == "reduce_dtype":
                 continue
-            if dtype not in _POLICY_DTYPES:
+            if not isinstance(dtype, torch.dtype) or dtype not in _POLICY_DTYPES:
                 raise TypeError(f"Policy.{field.name} must be one of {sorted(map(str, _POLICY_DTYPES))}, got {dtype!r}")
 
     @property

@@ -272,8 +272,10 @@ def raise_if_stalled(state: TrainState, patience: int) -> None:
         return
     where = f" (ensemble members {stalled.ge(patience).nonzero().flatten().tolist()})" if stalled.dim() else ""
     scales = pytree.tree_map(lambda t: t.tolist(), _loss_scale(state.scaler, stalled.device))
+    dynamic = any(isinstance(s, DynamicLossScale) for s in pytree.tree_leaves(state.scaler, is_leaf=_is_scaler))
+    remedy = "lower min_scale" if dynamic else "use a lower fixed scale or a DynamicLossScale"
     raise LossScaleStalledError(
         f"the last {worst} optimizer steps{where} were all skipped: their gradients overflowed with the loss scale "
         f"at its minimum ({scales}), so backing off cannot help. Look for inf or NaN in the inputs, the labels or "
-        f"the model (a log of 0, a division by 0, an exploding activation), or lower min_scale"
+        f"the model (a log of 0, a division by 0, an exploding activation), or {remedy}"
     )

@@ -16,6 +16,7 @@ __all__ = [
     "donate_into",
     "is_floating_tensor",
     "is_inexact_tensor",
+    "same_static_leaf",
     "select_tree",
     "stack_trees",
     "tree_accelerator_device",
@@ -62,7 +63,12 @@ def cast_floating(tree: Tree, dtype: torch.dtype) -> Tree:
 
     Returns:
         A tree of the same structure.
+
+    Raises:
+        TypeError: If `dtype` is not a floating-point `torch.dtype`.
     """
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"cast_floating: dtype must be a floating-point torch.dtype, got {dtype!r}")
     return cast(Tree, pytree.tree_map(lambda x: x.to(dtype) if is_floating_tensor(x) and x.dtype != dtype else x, tree))
 
 
@@ -124,7 +130,8 @@ def all_finite(tree: Any) -> torch.Tensor:
         return torch.ones((), dtype=torch.bool)
     # A complex leaf's real and imaginary parts side by side in its last dimension, so a 1-D leaf
     # keeps long rows.
-    leaves = [_real_view(x) if x.is_complex() else x for x in leaves]
+    # float8 has no reductions on a CPU; float32 holds each of its values, NaN and inf included.
+    leaves = [_real_view(x) if x.is_complex() else x.float() if x.element_size() == 1 else x for x in leaves]
     device = cast(torch.device, tree_accelerator_device(leaves))
     # Row by row pays only in compiled GPU code: eager, or compiled for a CPU (where Inductor fuses
     # a full reduction with its producer), one full reduction per leaf is 3 to 6 times faster.
@@ -200,7 +207,8 @@ def check_finite_flag(grads_finite: Any, name: str = "grads_finite") -> None:
         )
 
 
-def _same_static_leaf(a: Any, b: Any) -> bool:
+def same_static_leaf(a: Any, b: Any) -> bool:
+    """Whether two non-tensor leaves are one value (`==`), for trees that must agree on them."""
     if a is b:
         return True
     try:
@@ -237,7 +245,7 @@ def select_tree(pred: torch.Tensor, on_true: Tree, on_false: Tree) -> Tree:
         if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
             raise ValueError(f"select_tree: leaf {where} is a tensor on one side only")
         if not isinstance(a, torch.Tensor):
-            if not _same_static_leaf(a, b):
+            if not same_static_leaf(a, b):
                 raise ValueError(f"select_tree: non-tensor leaf {where} differs: {a!r} vs {b!r}")
             selected.append(a)
             continue
@@ -264,12 +272,16 @@ def stack_trees(trees: list[Tree]) -> Tree:
         One tree whose leaves have a leading dim of `len(trees)`.
 
     Raises:
-        ValueError: If `trees` is empty or two trees differ in structure (their hyperparameters, say).
+        TypeError: If `trees` is not a list or tuple (one tree passed alone, say), or a leaf is not a tensor.
+        ValueError: If `trees` is empty, or a tree differs from the first in structure (its
+            hyperparameters, say) or in a leaf's shape, dtype or device.
     """
+    if type(trees) not in (list, tuple):
+        raise TypeError(f"stack_trees takes a list of trees, e.g. [state_0, state_1], got a {type(trees).__name__}")
     if not trees:
         raise ValueError("stack_trees needs at least one tree")
-    leaves, spec = pytree.tree_flatten(trees[0])
-    columns = [leaves]
+    first_pairs, spec = pytree.tree_flatten_with_path(trees[0])
+    columns = [[leaf for _, leaf in first_pairs]]
     for index, tree in enumerate(trees[1:], start=1):
         other, other_spec = pytree.tree_flatten(tree)
         if other_spec != spec:
@@ -278,9 +290,23 @@ def stack_trees(trees: list[Tree]) -> Tree:
                 f"{other_spec} vs {spec}"
             )
         columns.append(other)
+    for (path, first), *others in zip(first_pairs, *columns[1:], strict=True):
+        where = f"leaf {pytree.keystr(path)}" if path else "the leaf"
+        for index, leaf in enumerate((first, *others)):
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(f"stack_trees: {where} of tree {index} is a {type(leaf).__name__}, not a tensor")
+            if (leaf.shape, leaf.dtype, leaf.device) != (first.shape, first.dtype, first.device):
+                raise ValueError(
+                    f"stack_trees: {where} is {leaf.dtype}{list(leaf.shape)} on {leaf.device} in tree {index} "
+                    f"but {first.dtype}{list(first.shape)} on {first.device} in tree 0; members must match"
+                )
     return cast(Tree, pytree.tree_unflatten([torch.stack(column) for column in zip(*columns, strict=True)], spec))
 
 
 def unstack_tree(tree: Tree, index: int) -> Tree:
-    """The `index`-th member of a tree stacked by `stack_trees` (a view of each leaf's slice)."""
+    """The `index`-th member of a tree stacked by `stack_trees` (a view of each leaf's slice).
+
+    The leaves view the whole stack's storage, which `torch.save` writes out in full: clone the
+    member (`tree_map(torch.clone, ...)`) to save it alone.
+    """
     return cast(Tree, pytree.tree_map(lambda x: x[index], tree))

@@ -135,6 +135,20 @@ def test_bad_returns_are_named(update: Callable[..., Any], error: type[Exception
         optimizer.update(params, optimizer.init(params), params)
 
 
+def test_a_non_tensor_state_leaf_may_stay_but_not_change() -> None:
+    params = {"w": torch.ones(3)}
+
+    def update(grads: Any, state: tuple[int, str], params: Any) -> tuple[Any, tuple[int, str]]:
+        count, label = state
+        return grads, (count + 1, label)
+
+    counting = fmp.optim.from_gradient_transformation(lambda params: (0, "sgd"), update)
+    with pytest.raises(TypeError, match=r"state\[0\] changed from 0 to 1: a skipped step keeps the old state"):
+        counting.update(params, counting.init(params), params)
+    constant = fmp.optim.from_gradient_transformation(lambda params: (0, "sgd"), lambda g, s, p: (g, s))
+    assert constant.update(params, constant.init(params), params)[1] == (0, "sgd")
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

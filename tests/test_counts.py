@@ -55,6 +55,8 @@ def test_a_static_scale_is_always_at_its_minimum() -> None:
         fmp.TrainState.create(mlp_params(), ADAM, fmp.StaticLossScale.create(128.0)), [False, False, True, False]
     )
     assert int(state.counts.stalled) == 1 and int(state.counts.skipped) == 3
+    with pytest.raises(fmp.LossScaleStalledError, match=r"\(128\.0\).*use a lower fixed scale or a DynamicLossScale$"):
+        fmp.raise_if_stalled(state, patience=1)
 
 
 def test_raise_if_stalled_fails_fast_only_past_patience() -> None:
@@ -63,7 +65,9 @@ def test_raise_if_stalled_fails_fast_only_past_patience() -> None:
     # Scales 4, 2, 1, 1: the last two steps overflowed at the minimum.
     assert int(state.counts.stalled) == 2
     fmp.raise_if_stalled(state, patience=3)
-    with pytest.raises(fmp.LossScaleStalledError, match=r"the last 2 optimizer steps were all skipped.*\(1\.0\)"):
+    with pytest.raises(
+        fmp.LossScaleStalledError, match=r"last 2 optimizer steps were all skipped.*\(1\.0\).*min_scale$"
+    ):
         fmp.raise_if_stalled(state, patience=2)
     recovered = run(state, [True])
     assert int(recovered.counts.stalled) == 0

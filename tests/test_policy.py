@@ -143,6 +143,8 @@ def test_policy_rejects_non_floating_dtypes() -> None:
         fmp.Policy(F32, torch.int8, F32)
     with pytest.raises(TypeError, match="param_dtype must be one of"):
         fmp.Policy(torch.float8_e4m3fn, F32, F32)
+    with pytest.raises(TypeError, match=r"param_dtype must be one of .*, got \[torch.float32\]"):
+        fmp.Policy([F32])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="get_policy takes a string"):
         fmp.get_policy(F32)  # type: ignore[arg-type]
 

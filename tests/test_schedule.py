@@ -305,6 +305,8 @@ def test_warmup_cosine_rises_to_its_peak_then_decays_to_eta_min(
         (lambda: schedule.join([schedule.constant(0.1), 0.2], [5]), TypeError, r"schedules\[1\] must be a callable"),
         (lambda: schedule.join([schedule.constant(0.1)] * 3, [5, 5]), ValueError, "strictly increasing"),
         (lambda: schedule.join([schedule.constant(0.1)] * 2, [0]), ValueError, r"boundaries\[0\] must be in"),
+        (lambda: schedule.join(schedule.constant(0.1), []), TypeError, "schedules must be a sequence"),
+        (lambda: schedule.join([schedule.constant(0.1)] * 2, 10), TypeError, "boundaries must be a sequence"),
     ],
 )
 def test_bad_arguments_are_named(make: Callable[[], Any], error: type[Exception], message: str) -> None:

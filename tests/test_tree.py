@@ -96,3 +96,41 @@ def test_stack_trees_stacks_members_and_names_a_mismatch() -> None:
         fmp.stack_trees([members[0], fmp.DynamicLossScale.create(growth_interval=7)])
     with pytest.raises(ValueError, match="at least one tree"):
         fmp.stack_trees([])
+
+
+@pytest.mark.parametrize(
+    ("other", "error", "message"),
+    [
+        (
+            {"w": torch.zeros(3, 3), "b": torch.zeros(3)},
+            ValueError,
+            r"leaf \['w'\] is torch.float32\[3, 3\] on cpu in tree 1",
+        ),
+        ({"w": torch.zeros(3, 2, dtype=torch.float16), "b": torch.zeros(3)}, ValueError, r"torch.float16\[3, 2\]"),
+        ({"w": torch.zeros(3, 2), "b": 0.0}, TypeError, r"leaf \['b'\] of tree 1 is a float, not a tensor"),
+    ],
+)
+def test_stack_trees_names_a_leaf_that_differs(other: dict[str, object], error: type[Exception], message: str) -> None:
+    first = {"w": torch.zeros(3, 2), "b": torch.zeros(3)}
+    with pytest.raises(error, match=message):
+        fmp.stack_trees([first, other])
+    with pytest.raises(TypeError, match=r"takes a list of trees, e.g. \[state_0, state_1\], got a dict"):
+        fmp.stack_trees(first)  # type: ignore[arg-type]
+
+
+def test_cast_floating_takes_only_a_floating_dtype() -> None:
+    tree = {"x": torch.tensor([0.7, -1.9]), "n": torch.tensor([1, 2])}
+    cast_tree = fmp.cast_floating(tree, torch.bfloat16)
+    assert cast_tree["x"].dtype == torch.bfloat16 and cast_tree["n"] is tree["n"]
+    for dtype in (torch.int32, torch.bool, "float16"):
+        with pytest.raises(TypeError, match=r"dtype must be a floating-point torch\.dtype"):
+            fmp.cast_floating(tree, dtype)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_all_finite_reads_float8_leaves(dtype: torch.dtype) -> None:
+    finite = torch.tensor([0.5, -2.0, 0.0]).to(dtype)
+    assert bool(fmp.all_finite([finite]))
+    assert not bool(fmp.all_finite([finite, torch.tensor([1.0, float("nan")]).to(dtype)]))
+    if dtype == torch.float8_e5m2:  # e4m3fn has no infinity: inf becomes NaN
+        assert not bool(fmp.all_finite([torch.tensor([float("inf")]).to(dtype)]))

@@ -11,6 +11,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fmp.optim._base import Optimizer
+from fmp.tree import same_static_leaf
 
 __all__ = ["GradientTransformationLike", "from_gradient_transformation"]
 
@@ -140,6 +141,11 @@ def _check_same_state(state: Any, new_state: Any) -> None:
             raise TypeError(
                 f"{where} came back as {type(new).__name__}, was {type(old).__name__}; "
                 f"keep everything that changes in tensors"
+            )
+        if not isinstance(old, torch.Tensor) and not same_static_leaf(old, new):
+            raise TypeError(
+                f"{where} changed from {old!r} to {new!r}: a skipped step keeps the old state with torch.where, "
+                f"so keep everything that changes in tensors (e.g. a step count as torch.zeros((), dtype=torch.int32))"
             )
         if isinstance(old, torch.Tensor) and (old.shape != new.shape or old.dtype != new.dtype):
             raise ValueError(

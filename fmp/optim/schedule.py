@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterable
 from collections.abc import Sequence
 from typing import Any
 
@@ -172,10 +173,14 @@ def join(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
         The joined schedule.
 
     Raises:
-        TypeError, ValueError: If a schedule is not callable, or the boundaries are not strictly
-            increasing positive ints, one fewer than the schedules. When evaluated, a part that
-            returns anything but a floating tensor is named.
+        TypeError, ValueError: If `schedules` or `boundaries` is not a sequence, a schedule is
+            not callable, or the boundaries are not strictly increasing positive ints, one fewer
+            than the schedules. When evaluated, a part that returns anything but a floating tensor
+            is named.
     """
+    for name, argument in (("schedules", schedules), ("boundaries", boundaries)):
+        if not isinstance(argument, Iterable) or isinstance(argument, str):
+            raise TypeError(f"join: {name} must be a sequence (a list, say), got {type(argument).__name__}")
     schedules = list(schedules)
     boundaries = [check_int(f"boundaries[{i}]", b, 1, _MAX_STEPS) for i, b in enumerate(boundaries)]
     if not schedules:
