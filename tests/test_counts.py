@@ -50,6 +50,18 @@ def test_counts_follow_a_reference_model(finite: list[bool], hysteresis: int) ->
     assert {t.dtype for t in counts} == {torch.int64} and {t.shape for t in counts} == {torch.Size([])}
 
 
+def test_a_window_that_overflowed_at_the_minimum_scale_counts_as_stalled() -> None:
+    # The window's first micro-batch overflows, its last is finite: the window is skipped, and
+    # since the scale was already at its minimum, it is stalled.
+    sgd = fmp.optim.sgd(0.1)
+    scaler = fmp.DynamicLossScale.create(init_scale=1.0, min_scale=1.0)
+    state = fmp.TrainState.create({"w": torch.ones(2)}, sgd, scaler, accumulation_steps=2)
+    for x in (torch.tensor([float("nan"), 1.0]), torch.ones(2)):
+        state, info = fmp.train_step(lambda p, x: (p["w"] * x).sum(), state, x, policy=F32, optimizer=sgd)
+    assert not bool(info.applied) and bool(info.grads_finite)
+    assert [int(state.counts.skipped), int(state.counts.stalled)] == [1, 1]
+
+
 def test_a_static_scale_is_always_at_its_minimum() -> None:
     state = run(
         fmp.TrainState.create(mlp_params(), ADAM, fmp.StaticLossScale.create(128.0)), [False, False, True, False]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -134,7 +135,12 @@ def test_the_flag_says_whether_every_unscaled_gradient_is_finite(values: list[fl
     grads = [torch.tensor(values, dtype=torch.float32)]
     scaler = fmp.StaticLossScale.create(2.0**exponent)
     unscaled, finite, _ = fmp.unscale_and_adjust(scaler, grads)
-    assert bool(finite) == bool(torch.isfinite(unscaled[0]).all())
+    # A power of two scales exactly: a value unscales to inf only past float32's largest.
+    largest = torch.finfo(torch.float32).max
+    stored = grads[0].tolist()  # the float32 values
+    assert bool(finite) == all(math.isfinite(v) and abs(v * 2.0**-exponent) <= largest for v in stored)
+    expected = (grads[0].double() * 2.0**-exponent).float()
+    torch.testing.assert_close(unscaled[0], expected, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.compiled

@@ -269,25 +269,50 @@ OPTIMIZERS_THAT_SKIP: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optim
 }
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS_THAT_SKIP))
-def test_a_skipped_first_step_leaves_params_and_optimizer_state_bit_for_bit(name: str) -> None:
-    model = make_model()
-    optimizer = OPTIMIZERS_THAT_SKIP[name](list(model.parameters()))
-    buffer = fmp.GradientBuffer.attach(model.parameters())
-    state_before = copy.deepcopy(optimizer.state_dict())
-    params_before = [bits(p.detach().clone()) for p in model.parameters()]
-    x = torch.randn(5, 6)
-    x[0, 0] = float("inf")
+def step_on(model: nn.Module, buffer: fmp.GradientBuffer, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> bool:
+    """One step of the README's loop with a static scale; returns whether its gradients were finite."""
     with torch.compiler.set_stance("force_eager"):
         loss_of(model, x).backward()
         grads_finite, _ = buffer.unscale_(fmp.StaticLossScale.create(2.0))
-    assert not bool(grads_finite)
     buffer.step(optimizer, grads_finite)
-    assert all(torch.equal(bits(p.detach()), b) for p, b in zip(model.parameters(), params_before, strict=True))
-    state_after = optimizer.state_dict()
-    for index, before in state_before["state"].items():
-        for key, value in before.items():
-            assert torch.equal(state_after["state"][index][key], value), (index, key)
+    buffer.zero_()
+    return bool(grads_finite)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS_THAT_SKIP))
+def test_a_skipped_step_leaves_params_and_optimizer_state_bit_for_bit(name: str) -> None:
+    model = make_model()
+    optimizer = OPTIMIZERS_THAT_SKIP[name](list(model.parameters()))
+    buffer = fmp.GradientBuffer.attach(model.parameters())
+    poisoned = torch.randn(5, 6)
+    poisoned[0, 0] = float("inf")
+
+    def snapshot() -> tuple[list[torch.Tensor], dict[Any, Any]]:
+        return [bits(p.detach().clone()) for p in model.parameters()], copy.deepcopy(optimizer.state_dict()["state"])
+
+    params_before, _ = snapshot()
+    assert not step_on(model, buffer, optimizer, poisoned)
+    params_after, state_after = snapshot()
+    assert all(torch.equal(a, b) for a, b in zip(params_after, params_before, strict=True))
+    # Fused optimizers fill their state on the first step, skipped or not: it must be the initial one.
+    keeps_state = name != "sgd"  # SGD without momentum has none
+    assert bool(state_after) == keeps_state
+    for index, entries in state_after.items():
+        for key, value in entries.items():
+            assert value is None or not value.any(), (index, key)  # step 0, zero moments and sums
+    assert step_on(model, buffer, optimizer, torch.randn(5, 6))
+    params_before, state_before = snapshot()
+    assert not keeps_state or any(
+        v is not None and v.any() for entries in state_before.values() for v in entries.values()
+    )
+    assert not step_on(model, buffer, optimizer, poisoned)
+    params_after, state_after = snapshot()
+    assert all(torch.equal(a, b) for a, b in zip(params_after, params_before, strict=True))
+    assert state_after.keys() == state_before.keys()
+    for index, entries in state_before.items():
+        for key, value in entries.items():
+            after = state_after[index][key]
+            assert (after is None and value is None) or torch.equal(bits(after), bits(value)), (index, key)
     assert not hasattr(optimizer, "found_inf")  # handed over for the step only
 
 

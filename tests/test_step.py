@@ -83,6 +83,18 @@ def test_overflow_in_the_scaled_loss_alone_is_caught() -> None:
     assert float(new_state.scaler.loss_scale) == 2.0**39
 
 
+def test_a_gradient_that_overflows_only_when_unscaled_is_caught() -> None:
+    # With a scale below 1 the scaled gradient (3.75e37) is finite and the unscaled one (6e38) is
+    # not: the check must read the unscaled gradients, or the step would write inf into the params.
+    params = {"w": torch.tensor([1e-3])}
+    sgd = fmp.optim.sgd(0.1)
+    state = fmp.TrainState.create(params, sgd, fmp.DynamicLossScale.create(init_scale=2.0**-4, min_scale=2.0**-10))
+    new_state, info = fmp.train_step(lambda p: (p["w"] * 3e38).sum() * 2.0, state, policy=fmp.Policy(), optimizer=sgd)
+    assert bool(torch.isfinite(info.loss)) and not bool(info.grads_finite)
+    assert_trees_bitwise_equal(new_state.params, params)
+    assert float(new_state.scaler.loss_scale) == 2.0**-5
+
+
 SCALERS = {
     "noop": fmp.NoOpLossScale(),
     "static": fmp.StaticLossScale.create(2.0**8),
