@@ -19,6 +19,11 @@ bits (a relative error around 2**-9 per element for 2 ranks, growing with the nu
 float16 buffers travel multiplied by the loss scale, as the scaled gradients of torch.amp + DDP
 do, so small gradients do not flush to zero and a sum that overflows backs the scale off.
 
+Every rank must pass the same policy, optimizer and state structure, as with DDP: the buckets'
+sizes and dtypes follow from them, and the step does not check that ranks agree, which would
+need a host sync every step. `check_replicas` compares states across ranks where a run can
+afford the sync.
+
 FSDP2 (`torch.distributed.fsdp.fully_shard`) shards the parameters and reduce-scatters the
 gradients itself inside `backward()`, in its `reduce_dtype` and on the scaled gradients, so it
 replaces the reduction here; fmp supplies the loss scale, the skip decision agreed across ranks
