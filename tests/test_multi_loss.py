@@ -100,6 +100,26 @@ def test_skip_iff_any_loss_overflows_and_scalers_move_alone(overflows: list[tupl
     assert int(state.counts.skipped) == sum(a or b for a, b in overflows)
 
 
+def test_a_summed_overflow_skips_the_step_and_backs_every_scale_off() -> None:
+    """Each loss's gradients are finite, their sum is not: no loss is to blame alone."""
+
+    def two_large_losses(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> tuple[Any, Any]:
+        return 2e38 * params["w1"].sum(), 2e38 * params["w1"].sum()
+
+    scalers = (
+        fmp.DynamicLossScale.create(init_scale=1.0, min_scale=2.0**-10),
+        fmp.DynamicLossScale.create(init_scale=1.0, min_scale=2.0**-10, growth_interval=7),
+    )
+    x, y = next(mlp_batches(1, 0))
+    out = fmp.mixed_precision_grad(two_large_losses, mlp_params(), scalers, x, y, policy=F32)
+    assert not bool(out.grads_finite) and [bool(f) for f in out.finite_per_loss] == [False, False]
+    state = fmp.TrainState.create(mlp_params(), ADAMW, scalers)
+    new_state, info = fmp.train_step(two_large_losses, state, x, y, policy=F32, optimizer=ADAMW)
+    assert not bool(info.applied)
+    assert_trees_bitwise_equal((new_state.params, new_state.opt_state), (state.params, state.opt_state))
+    assert [float(s.loss_scale) for s in new_state.scaler] == [0.5, 0.5]
+
+
 def test_several_losses_need_as_many_losses_and_scalers() -> None:
     params = mlp_params()
     x, y = next(mlp_batches(1, 0))
