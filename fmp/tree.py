@@ -281,18 +281,19 @@ def stack_trees(trees: list[Tree]) -> Tree:
     if not trees:
         raise ValueError("stack_trees needs at least one tree")
     first_pairs, spec = pytree.tree_flatten_with_path(trees[0])
-    columns = [[leaf for _, leaf in first_pairs]]
+    others = []
     for index, tree in enumerate(trees[1:], start=1):
-        other, other_spec = pytree.tree_flatten(tree)
+        leaves, other_spec = pytree.tree_flatten(tree)
         if other_spec != spec:
             raise ValueError(
                 f"stack_trees: tree {index} differs in structure from tree 0 (hyperparameters included): "
                 f"{other_spec} vs {spec}"
             )
-        columns.append(other)
-    for (path, first), *others in zip(first_pairs, *columns[1:], strict=True):
+        others.append(leaves)
+    stacked = []
+    for (path, first), *rest in zip(first_pairs, *others, strict=True):
         where = f"leaf {pytree.keystr(path)}" if path else "the leaf"
-        for index, leaf in enumerate((first, *others)):
+        for index, leaf in enumerate((first, *rest)):
             if not isinstance(leaf, torch.Tensor):
                 raise TypeError(f"stack_trees: {where} of tree {index} is a {type(leaf).__name__}, not a tensor")
             if (leaf.shape, leaf.dtype, leaf.device) != (first.shape, first.dtype, first.device):
@@ -300,7 +301,8 @@ def stack_trees(trees: list[Tree]) -> Tree:
                     f"stack_trees: {where} is {leaf.dtype}{list(leaf.shape)} on {leaf.device} in tree {index} "
                     f"but {first.dtype}{list(first.shape)} on {first.device} in tree 0; members must match"
                 )
-    return cast(Tree, pytree.tree_unflatten([torch.stack(column) for column in zip(*columns, strict=True)], spec))
+        stacked.append(torch.stack((first, *rest)))
+    return cast(Tree, pytree.tree_unflatten(stacked, spec))
 
 
 def unstack_tree(tree: Tree, index: int) -> Tree:
