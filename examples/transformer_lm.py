@@ -78,10 +78,11 @@ def synthetic_batches(
     return batches
 
 
-def progress(step: int, total: int, loss: float, scale: float, skipped: int, seconds: float) -> None:
+def progress(step: int, total: int, loss: float, grad_norm: float, scale: float, skipped: int, seconds: float) -> None:
     filled = 30 * step // total
     bar = "#" * filled + "." * (30 - filled)
-    line = f"\r[{bar}] step {step}/{total} loss {loss:.4f} scale {scale:g} skipped {skipped} {seconds:.1f}s"
+    line = f"\r[{bar}] step {step}/{total} loss {loss:.4f} grad norm {grad_norm:.3g} scale {scale:g} skipped {skipped}"
+    line += f" {seconds:.1f}s"
     print(line, end="" if step < total else "\n", file=sys.stderr, flush=True)
 
 
@@ -153,7 +154,7 @@ def main() -> None:
     scaler = fmp.DynamicLossScale.create(growth_interval=args.growth_interval)
     state = fmp.TrainState.create(params, optimizer, scaler, accumulation_steps=args.accumulate)
     step: Callable[..., tuple[fmp.TrainState, fmp.StepInfo]] = functools.partial(
-        fmp.train_step, loss_fn, policy=policy, optimizer=optimizer, donate=args.compile
+        fmp.train_step, loss_fn, policy=policy, optimizer=optimizer, donate=args.compile, grad_norm=True
     )
     if args.compile:
         step = torch.compile(step, fullgraph=True)
@@ -183,7 +184,9 @@ def main() -> None:
         if done % 10 == 0 or done == args.steps:
             fmp.raise_if_stalled(state, patience=20)  # fail fast if every step overflows at the floor
             elapsed = time.perf_counter() - start
-            progress(done, args.steps, float(losses[-1]), float(scales[-1]), int(state.counts.skipped), elapsed)
+            # The norm of the window's mean gradient, before clipping (`clip_grad_norm_`'s return value).
+            norm = float(info.grad_norm)
+            progress(done, args.steps, float(losses[-1]), norm, float(scales[-1]), int(state.counts.skipped), elapsed)
     seconds = time.perf_counter() - start
     loss_values, applied_values = torch.stack(losses).tolist(), torch.stack(applied).tolist()
     # The summary averages the last five applied steps: a skipped step's loss is not finite.

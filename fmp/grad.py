@@ -131,6 +131,23 @@ def _check_losses(out: Any, scaler: ScalerTree) -> Any:
     return tuple(_check_loss(loss, f"loss_fn's loss[{index}] must be") for index, loss in enumerate(out))
 
 
+def _check_untracked(loss: Any) -> None:
+    """Raises if autograd tracks the loss outside the transform: it then reads tensors that are not `params`.
+
+    Eager only: compiled, a loss an outer `torch.func` transform differentiates on purpose (a
+    meta-gradient) also requires grad, and the test that tells them apart is not traceable.
+    """
+    if torch.compiler.is_compiling():
+        return
+    for leaf in pytree.tree_leaves(loss):
+        if leaf.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(leaf):
+            raise ValueError(
+                "loss_fn's loss requires grad outside params: it reads tensors autograd tracks, which get no "
+                "update and chain a graph onto every step. Call the model as "
+                "torch.func.functional_call(model, params, (x,)), not model(x), and .detach() other inputs"
+            )
+
+
 def _check_aux(aux: Any) -> None:
     for path, leaf in pytree.tree_flatten_with_path(aux)[0]:
         if not isinstance(leaf, torch.Tensor):
@@ -178,7 +195,10 @@ def mixed_precision_grad(
             or a tuple of 0-dim losses with a tuple of scalers.
         params: The parameters, a pytree of floating tensors in the policy's param dtype.
         scaler: The loss-scale state, or a tuple of them, one per loss.
-        *args: Further arguments of `loss_fn` (inputs, targets, ...).
+        *args: Further arguments of `loss_fn` (inputs, targets, buffers). They enter the
+            `torch.func` transform as inputs, so `loss_fn` may update them in place, as a
+            train-mode BatchNorm updates running statistics passed here. A whole cast (see above)
+            hands `loss_fn` copies of floating args, so such updates are lost there.
         policy: The precision policy.
         has_aux: Whether `loss_fn` returns `(loss, aux)`, aux a pytree of tensors.
 
@@ -188,7 +208,9 @@ def mixed_precision_grad(
     Raises:
         TypeError, ValueError: Naming the problem, if `loss_fn` returns anything but 0-dim floating
             losses (one per scaler) and a tensor aux, a parameter is not a floating tensor in the
-            param dtype, or `scaler` or `policy` is of the wrong type.
+            param dtype, or `scaler` or `policy` is of the wrong type. Eager, also if autograd
+            tracks the loss outside `params` (a module called as `model(x)`, whose own weights
+            would get no update, or an input not detached from its graph).
     """
     check_scalers(scaler)
     if not isinstance(policy, Policy):
@@ -197,7 +219,7 @@ def mixed_precision_grad(
     scalers = scaler if isinstance(scaler, tuple) else (scaler,)
     forward = _forward(loss_fn, policy)
 
-    def scaled_losses_fn(params: Any) -> tuple[tuple[torch.Tensor, ...], tuple[Any, Any]]:
+    def scaled_losses_fn(params: Any, *args: Any) -> tuple[tuple[torch.Tensor, ...], tuple[Any, Any]]:
         out = forward(params, *args)
         aux: Any = ()  # no leaves: torch.func's aux must hold tensors only
         if has_aux:
@@ -210,14 +232,17 @@ def mixed_precision_grad(
         return tuple(s.scale(x) for s, x in zip(scalers, losses, strict=True)), (loss, aux)
 
     def grad_of_loss(index: int) -> tuple[Any, tuple[Any, Any]]:
-        def scaled_loss_fn(params: Any) -> tuple[torch.Tensor, tuple[Any, Any]]:
-            scaled, loss_and_aux = scaled_losses_fn(params)
+        def scaled_loss_fn(params: Any, *args: Any) -> tuple[torch.Tensor, tuple[Any, Any]]:
+            scaled, loss_and_aux = scaled_losses_fn(params, *args)
             return scaled[index], loss_and_aux
 
-        return torch.func.grad(scaled_loss_fn, has_aux=True)(params)  # type: ignore[no-any-return]
+        # `args` go in as inputs, not captured: torch.func refuses in-place updates of captured
+        # tensors, such as a train-mode BatchNorm's running statistics passed as an argument.
+        return torch.func.grad(scaled_loss_fn, argnums=0, has_aux=True)(params, *args)  # type: ignore[no-any-return]
 
     if not isinstance(scaler, tuple):
         scaled_grads, (loss, aux) = grad_of_loss(0)
+        _check_untracked(loss)
         grads = scaler.unscale(scaled_grads)
         grads_finite = all_finite(grads)
         return Gradients(grads, grads_finite, loss, aux, grads_finite)
@@ -228,6 +253,7 @@ def mixed_precision_grad(
     for index, s in enumerate(scalers):
         scaled_grads, (loss, aux) = grad_of_loss(index)
         per_loss.append(s.unscale(scaled_grads))
+    _check_untracked(loss)
     grads = _tree_sum(per_loss)
     # The sum is non-finite whenever a part is, and also when finite parts overflow on adding;
     # then no loss is to blame alone and every scale backs off.

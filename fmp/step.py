@@ -27,6 +27,7 @@ from fmp.loss_scale import DynamicLossScale
 from fmp.loss_scale import LossScale
 from fmp.loss_scale import NoOpLossScale
 from fmp.optim._base import Optimizer
+from fmp.optim.clip import global_norm
 from fmp.policy import Policy
 from fmp.state import StepCounts
 from fmp.state import TrainState
@@ -52,6 +53,11 @@ class StepInfo(NamedTuple):
             accumulation, the same as `applied`).
         loss_scale: The scale this call's gradients were computed with; a tuple of them for a
             tuple of scalers.
+        grad_norm: With `train_step(..., grad_norm=True)`, the global L2 norm of the unscaled
+            gradients the optimizer's update received (`fmp.optim.global_norm`, what
+            `clip_grad_norm_` returns, before any clipping), non-finite when they overflowed;
+            with accumulation, that of the window's sums so far over its length (on the
+            window's last call, the mean gradient it updates with). Otherwise `()`, as `aux`.
         aux: The loss function's auxiliary output; `()` (no leaves, so vmap can return it) unless `has_aux`.
     """
 
@@ -59,6 +65,7 @@ class StepInfo(NamedTuple):
     applied: torch.Tensor
     grads_finite: torch.Tensor
     loss_scale: Any
+    grad_norm: torch.Tensor | tuple[()]
     aux: Any
 
 
@@ -106,6 +113,7 @@ def train_step(
     has_aux: bool = False,
     donate: bool = False,
     reduce_grads: Callable[[Gradients], Gradients] | None = None,
+    grad_norm: bool = False,
 ) -> tuple[TrainState, StepInfo]:
     """One mixed-precision optimizer step; skipped (state kept bit for bit) when gradients overflow.
 
@@ -152,16 +160,21 @@ def train_step(
         reduce_grads: Applied to each call's `Gradients` before they are accumulated or used, e.g.
             to average them across data-parallel ranks (`fmp.distributed`); it must return
             `Gradients` of the same structure, and flags that every rank agrees on.
+        grad_norm: Whether to report the gradients' global norm in `info.grad_norm`. Compiled
+            for a CPU, Inductor takes it in the loop that checks the gradients; eager, it reads
+            them once more.
 
     Returns:
         `(new_state, info)`; `info.applied` says whether the update was applied.
 
     Raises:
-        TypeError: If `state` is not a TrainState, `optimizer` not an Optimizer or `donate` not a bool.
+        TypeError: If `state` is not a TrainState, `optimizer` not an Optimizer, or `donate` or
+            `grad_norm` not a bool.
         ValueError: If `donate` and the state lists one tensor twice (under torch.compile Dynamo
             reports it as `torch._dynamo.exc.Unsupported` carrying this message).
     """
     check_bool("donate", donate)
+    check_bool("grad_norm", grad_norm)
     if reduce_grads is not None and not callable(reduce_grads):
         raise TypeError(f"reduce_grads must be a function of fmp.Gradients, got {type(reduce_grads).__name__}")
     if not isinstance(state, TrainState):
@@ -186,6 +199,7 @@ def train_step(
         new_scaler = _adjust(scaler, finite_per_loss)
     else:
         raise TypeError(f"state.accumulator must be () or a GradientAccumulator, got {type(accumulator).__name__}")
+    norm: torch.Tensor | tuple[()] = global_norm(grads).to(grads_finite.device) if grad_norm else ()
     updated = optimizer.update(grads, opt_state, params)
     new_params, new_opt_state = select_tree(applied, updated, (params, opt_state))
     counts = state.counts.advance(stepped, applied, _stalled(scaler, step_per_loss))
@@ -195,7 +209,7 @@ def train_step(
         # The donated scalers' buffers receive the new scales.
         loss_scale = pytree.tree_map(torch.clone, loss_scale)
         new_state = donate_into(state, new_state, "state")
-    return new_state, StepInfo(loss, applied, grads_finite, loss_scale, aux)
+    return new_state, StepInfo(loss, applied, grads_finite, loss_scale, norm, aux)
 
 
 def mixed_precision_step(

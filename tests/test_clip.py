@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from conftest import TOLERANCES
@@ -49,6 +51,62 @@ def test_clipping_inside_a_step_sees_the_unscaled_gradients() -> None:
     assert total > max_norm  # the clip binds
     expected = {k: p - 0.1 * grads[k] * (max_norm / (total + 1e-6)) for k, p in params.items()}
     assert_trees_close(new_state.params, expected, **TOLERANCES[torch.float32])
+
+
+def clip_grad_norm_value(grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    """What torch's clip_grad_norm_ returns for these gradients (an infinite max_norm clips nothing)."""
+    torch_params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads.values()]
+    for p, g in zip(torch_params, grads.values(), strict=True):
+        p.grad = g.clone()
+    return torch.nn.utils.clip_grad_norm_(torch_params, float("inf"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_global_norm_is_clip_grad_norms_value(dtype: torch.dtype) -> None:
+    grads, _ = grads_and_params(dtype, 3.0)
+    torch.testing.assert_close(fmp.optim.global_norm({**grads, "steps": torch.tensor(7)}), clip_grad_norm_value(grads))
+    assert float(fmp.optim.global_norm({"steps": torch.tensor(7)})) == 0.0
+
+
+def test_a_step_reports_the_norm_of_the_gradients_its_update_received_when_asked() -> None:
+    optimizer = fmp.optim.clip_by_global_norm(fmp.optim.sgd(0.1), 0.05)
+    (x1, y1), (x2, y2) = mlp_batches(2, 0)
+    state = fmp.TrainState.create(mlp_params(), optimizer, fmp.DynamicLossScale.create(init_scale=2.0**20))
+    step_kwargs = {"policy": fmp.Policy(), "optimizer": optimizer}
+    _, info = fmp.train_step(mlp_loss, state, x1, y1, **step_kwargs)
+    assert info.grad_norm == ()
+    _, info = fmp.train_step(mlp_loss, state, x1, y1, **step_kwargs, grad_norm=True)
+    # The unscaled gradients' norm, before the clip binds (the scaled ones' is 2**20 times larger).
+    assert torch.equal(info.grad_norm, clip_grad_norm_value(torch.func.grad(mlp_loss)(state.params, x1, y1)))
+    x1[0, 0] = float("inf")
+    _, info = fmp.train_step(mlp_loss, state, x1, y1, **step_kwargs, grad_norm=True)
+    assert not bool(info.applied) and not bool(torch.isfinite(info.grad_norm))
+    x1[0, 0] = 0.5
+    # Accumulated: the window's last call reports the norm of the mean gradient it updates with.
+    state = fmp.TrainState.create(mlp_params(), optimizer, fmp.NoOpLossScale(), accumulation_steps=2)
+    state, _ = fmp.train_step(mlp_loss, state, x1, y1, **step_kwargs, grad_norm=True)
+    state, info = fmp.train_step(mlp_loss, state, x2, y2, **step_kwargs, grad_norm=True)
+    parts = [torch.func.grad(mlp_loss)(mlp_params(), x, y) for x, y in ((x1, y1), (x2, y2))]
+    mean = {k: (parts[0][k] + parts[1][k]) / 2 for k in parts[0]}
+    assert bool(info.applied)
+    torch.testing.assert_close(info.grad_norm, clip_grad_norm_value(mean), rtol=1e-6, atol=0)
+    with pytest.raises(TypeError, match="grad_norm must be a bool"):
+        fmp.train_step(mlp_loss, state, x1, y1, **step_kwargs, grad_norm=1)  # type: ignore[arg-type]
+
+
+def test_a_vmapped_ensemble_reports_each_members_norm() -> None:
+    optimizer = fmp.optim.sgd(0.1)
+    states = [fmp.TrainState.create(mlp_params(seed=i), optimizer, fmp.DynamicLossScale.create()) for i in range(3)]
+    xs, ys = torch.randn(3, 16, 8), torch.randn(3, 16, 1)
+    for grad_norm in (False, True):
+        policy = fmp.Policy()
+        step = functools.partial(fmp.train_step, mlp_loss, policy=policy, optimizer=optimizer, grad_norm=grad_norm)
+        _, info = torch.func.vmap(step)(fmp.stack_trees(states), xs, ys)
+        alone = [step(state, xs[i], ys[i])[1].grad_norm for i, state in enumerate(states)]
+        if grad_norm:
+            torch.testing.assert_close(info.grad_norm, torch.stack(alone))
+        else:
+            assert info.grad_norm == () and alone == [(), (), ()]
 
 
 def test_bad_arguments_are_named() -> None:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -328,3 +329,53 @@ def test_reduce_grads_sees_each_calls_gradients_and_its_flags_decide() -> None:
     assert_trees_bitwise_equal(new.params, state.params)
     with pytest.raises(TypeError, match=r"reduce_grads must return fmp\.Gradients, got tuple"):
         fmp.train_step(mlp_loss, state, x, y, policy=fmp.Policy(), optimizer=optimizer, reduce_grads=lambda g: tuple(g))
+
+
+@pytest.mark.parametrize("policy_spec", ["float32", "params=float32,compute=bfloat16,output=float32,rules=cpu"])
+def test_batchnorm_statistics_passed_as_args_update_in_place_as_under_torch_autocast(policy_spec: str) -> None:
+    policy, optimizer = fmp.get_policy(policy_spec), fmp.optim.sgd(0.1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    reference = copy.deepcopy(model)
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
+
+    def loss_fn(params: Any, buffers: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = torch.func.functional_call(model, {**params, **buffers}, (x,))
+        return torch.nn.functional.mse_loss(out, y)
+
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    state = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create())
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for seed in range(3):
+        x, y = batch(seed)
+        state, info = fmp.train_step(loss_fn, state, buffers, x, y, policy=policy, optimizer=optimizer)
+        assert bool(info.applied)
+        with torch.autocast("cpu", policy.compute_dtype, enabled=policy.compute_dtype != torch.float32):
+            loss = torch.nn.functional.mse_loss(reference(x), y)
+        reference_optimizer.zero_grad()
+        loss.backward()
+        reference_optimizer.step()
+    assert int(buffers["1.num_batches_tracked"]) == 3
+    assert_trees_bitwise_equal(buffers, dict(reference.named_buffers()))
+    assert_trees_bitwise_equal(state.params, {name: p.detach() for name, p in reference.named_parameters()})
+
+
+def test_a_loss_autograd_tracks_outside_params_is_named() -> None:
+    model = torch.nn.Linear(8, 1)
+    optimizer = fmp.optim.sgd(0.1)
+    state = fmp.TrainState.create({k: v.detach() for k, v in model.named_parameters()}, optimizer, fmp.NoOpLossScale())
+    x, y = batch()
+
+    def forgets_params(params: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(model(x), y)  # trains nothing: model's own weights are read
+
+    def uses_params(params: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)), y)
+
+    message = r"requires grad outside params: .* torch\.func\.functional_call\(model, params, \(x,\)\), not model\(x\)"
+    with pytest.raises(ValueError, match=message):
+        fmp.train_step(forgets_params, state, x, y, policy=fmp.Policy(), optimizer=optimizer)
+    with pytest.raises(ValueError, match=message):  # an input still attached to a graph
+        fmp.train_step(uses_params, state, x.requires_grad_(), y, policy=fmp.Policy(), optimizer=optimizer)
+    _, info = fmp.train_step(uses_params, state, x.detach(), y, policy=fmp.Policy(), optimizer=optimizer)
+    assert bool(info.applied) and not info.loss.requires_grad

@@ -31,7 +31,7 @@ def compiled_train_step() -> tuple[Callable[..., Any], CompileCounterWithBackend
     # Dynamo caches per code object: earlier compiles of train_step would count as recompiles here.
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")
-    step = functools.partial(fmp.train_step, mlp_loss, policy=BF16, optimizer=ADAMW)
+    step = functools.partial(fmp.train_step, mlp_loss, policy=BF16, optimizer=ADAMW, grad_norm=True)
     return torch.compile(step, backend=counter, fullgraph=True), counter
 
 
@@ -44,9 +44,13 @@ def test_compiled_step_matches_eager_without_recompiling(
     eager_state = compiled_state = fmp.TrainState.create(mlp_params(), ADAMW, scaler)
     scales, skips = set(), 0
     for x, y in mlp_batches(20, overflow_every=5):
-        eager_state, eager_info = fmp.train_step(mlp_loss, eager_state, x, y, policy=BF16, optimizer=ADAMW)
+        eager_state, eager_info = fmp.train_step(
+            mlp_loss, eager_state, x, y, policy=BF16, optimizer=ADAMW, grad_norm=True
+        )
         compiled_state, info = compiled(compiled_state, x, y)
-        assert bool(info.grads_finite) == bool(eager_info.grads_finite)
+        assert bool(info.grads_finite) == bool(eager_info.grads_finite) == bool(info.grad_norm.isfinite())
+        if bool(info.grads_finite):
+            torch.testing.assert_close(info.grad_norm, eager_info.grad_norm, **TOLERANCES[torch.bfloat16])
         assert_trees_bitwise_equal(compiled_state.scaler, eager_state.scaler)
         assert_trees_close(compiled_state.params, eager_state.params, **TOLERANCES[torch.bfloat16])
         scales.add(float(info.loss_scale))

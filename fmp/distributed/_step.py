@@ -56,6 +56,7 @@ def train_step(
     group: dist.ProcessGroup | None = None,
     bucket_cap_mb: float = 25.0,
     collectives: Collectives = "functional",
+    grad_norm: bool = False,
 ) -> tuple[TrainState, StepInfo]:
     """`fmp.train_step` across data-parallel ranks: gradients averaged, one skip decision for all.
 
@@ -82,6 +83,7 @@ def train_step(
         group: The data-parallel process group; None for the default group.
         bucket_cap_mb: The most MiB one all-reduce carries (see `all_reduce_gradients`).
         collectives: "functional" (compilable) or "eager" (see `all_reduce_gradients`).
+        grad_norm: As `fmp.train_step`: the norm of the averaged gradients, the same on every rank.
 
     Returns:
         `(new_state, info)`, as `fmp.train_step`.
@@ -102,7 +104,15 @@ def train_step(
         collectives=collectives,
     )
     return local_train_step(
-        loss_fn, state, *args, policy=policy, optimizer=optimizer, has_aux=has_aux, donate=donate, reduce_grads=reduce
+        loss_fn,
+        state,
+        *args,
+        policy=policy,
+        optimizer=optimizer,
+        has_aux=has_aux,
+        donate=donate,
+        reduce_grads=reduce,
+        grad_norm=grad_norm,
     )
 
 

@@ -8,6 +8,7 @@ from fmp.optim.adam import adam
 from fmp.optim.adam import adamw
 from fmp.optim.adapter import from_gradient_transformation
 from fmp.optim.clip import clip_by_global_norm
+from fmp.optim.clip import global_norm
 from fmp.optim.sgd import SgdState
 from fmp.optim.sgd import sgd
 
@@ -20,6 +21,7 @@ __all__ = [
     "adamw",
     "clip_by_global_norm",
     "from_gradient_transformation",
+    "global_norm",
     "schedule",
     "sgd",
 ]

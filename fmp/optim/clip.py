@@ -14,15 +14,31 @@ from fmp._checks import check_real
 from fmp.optim._base import Optimizer
 from fmp.tree import is_inexact_tensor
 
-__all__ = ["clip_by_global_norm", "clip_tree_by_global_norm"]
+__all__ = ["clip_by_global_norm", "clip_tree_by_global_norm", "global_norm"]
 
 Tree = TypeVar("Tree")
 
 
-def _global_norm_and_clip_factor(leaves: list[torch.Tensor], max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global L2 norm of `leaves` (an empty list's is 0) and the factor that clips them to `max_norm`."""
+def global_norm(tree: Any) -> torch.Tensor:
+    """The global L2 norm of a pytree's floating and complex tensor leaves, as `clip_grad_norm_` takes it.
+
+    As torch does, the leaves' L2 norms are taken group by group of (device, dtype), gathered on
+    the first leaf's device, and reduced to their L2 norm. The groups come in order of their first
+    leaf; torch orders them by an internal map, so with mixed dtypes the norm may differ from
+    torch's in the last bit (with one dtype per device they are equal). Unlike torch, a float16
+    leaf's norm is taken in float32, where it cannot overflow. Nothing syncs with the host unless
+    the first leaf is on the CPU and a later one on an accelerator (its norm is copied back).
+
+    Args:
+        tree: Any pytree; leaves that are not floating or complex tensors are left out.
+
+    Returns:
+        A 0-dim tensor on the first leaf's device: 0 (on the CPU) for a tree without such leaves,
+        non-finite if any leaf is.
+    """
+    leaves = [leaf for leaf in pytree.tree_leaves(tree) if is_inexact_tensor(leaf)]
     if not leaves:
-        return torch.zeros(()), torch.ones(())
+        return torch.zeros(())
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for leaf in leaves:
         groups.setdefault((leaf.device, leaf.dtype), []).append(leaf)
@@ -32,20 +48,15 @@ def _global_norm_and_clip_factor(leaves: list[torch.Tensor], max_norm: float) ->
         for group in groups.values()
         for g in group
     ]
-    norm = torch.linalg.vector_norm(torch.stack(norms), 2)
-    return norm, torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    norm: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms), 2)
+    return norm
 
 
 def clip_tree_by_global_norm(grads: Tree, max_norm: float) -> tuple[Tree, torch.Tensor]:
     """Clips a pytree as `clip_grad_norm_` does: every gradient times `min(max_norm / (norm + 1e-6), 1)`.
 
-    As torch does, the leaves' L2 norms are taken group by group of (device, dtype), gathered on
-    the first leaf's device, and reduced to their L2 norm. The groups come in order of their first
-    leaf; torch orders them by an internal map, so with mixed dtypes the norm may differ from
-    torch's in the last bit (with one dtype per device they are equal).
-    Unlike torch, a float16 leaf's norm is taken in float32, where it cannot overflow. The factor
-    is a 0-dim tensor: nothing syncs with the host unless the first leaf is on the CPU and a later
-    one on an accelerator (its norm is copied back).
+    The norm is `global_norm(grads)`. The factor is a 0-dim tensor, so nothing syncs with the host
+    (but see `global_norm` for leaves on several devices).
 
     Args:
         grads: A pytree of gradients; leaves that are not floating or complex tensors pass through.
@@ -55,8 +66,8 @@ def clip_tree_by_global_norm(grads: Tree, max_norm: float) -> tuple[Tree, torch.
         `(clipped, norm)`: the clipped tree and the global norm before clipping (0-dim; 0 for a
         tree without floating gradients).
     """
-    leaves = [g for g in pytree.tree_leaves(grads) if is_inexact_tensor(g)]
-    norm, factor = _global_norm_and_clip_factor(leaves, max_norm)
+    norm = global_norm(grads)
+    factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     clipped = pytree.tree_map(lambda g: g * factor.to(g.device) if is_inexact_tensor(g) else g, grads)
     return cast(Tree, clipped), norm
 
