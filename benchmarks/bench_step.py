@@ -10,6 +10,7 @@ prints the median time per step and its ratio to the torch.amp row with the same
   fmp eager sgd              fmp.train_step, eager
   fmp compiled sgd           fmp.train_step under torch.compile(fullgraph=True)
   fmp donated sgd / adamw    the same with donate=True: the update is written into the old buffers
+  fmp donated sgd +norm      donated, also reporting the gradients' global norm (grad_norm=True)
   fmp planned sgd            donated, compiled with Inductor's memory_planning (CPU only): one
                              allocation per step for all temporaries, which glibc keeps between steps
   fmp buffer sgd             the torch.amp sgd loop with fmp's scaler: a GradientBuffer holds the
@@ -161,6 +162,7 @@ def fmp_contender(
     mode: str | None,
     donate: bool,
     options: dict[str, Any] | None = None,
+    grad_norm: bool = False,
 ) -> Contender:
     """fmp.train_step; `options` are Inductor's, for mode="default" (the counted backend) only."""
     if options is not None and mode != "default":
@@ -172,7 +174,7 @@ def fmp_contender(
     optimizer = fmp.optim.sgd(LR) if family == "sgd" else fmp.optim.adamw(LR)
     policy = fmp.Policy(torch.float32, setting.dtype, torch.float32)
     train_step: Callable[..., tuple[fmp.TrainState, fmp.StepInfo]] = functools.partial(
-        fmp.train_step, loss_fn, policy=policy, optimizer=optimizer, donate=donate
+        fmp.train_step, loss_fn, policy=policy, optimizer=optimizer, donate=donate, grad_norm=grad_norm
     )
     counter = None
     if mode == "default":
@@ -210,6 +212,9 @@ def contender_builders(setting: Setting, device: torch.device) -> dict[str, Call
         "fmp eager sgd": lambda: fmp_contender(model(), setting, "sgd", mode=None, donate=False),
         "fmp compiled sgd": lambda: fmp_contender(model(), setting, "sgd", mode="default", donate=False),
         "fmp donated sgd": lambda: fmp_contender(model(), setting, "sgd", mode="default", donate=True),
+        "fmp donated sgd +norm": lambda: fmp_contender(
+            model(), setting, "sgd", mode="default", donate=True, grad_norm=True
+        ),
         "fmp donated adamw": lambda: fmp_contender(model(), setting, "adamw", mode="default", donate=True),
         "fmp buffer sgd": lambda: buffer_contender(model(), setting),
     }

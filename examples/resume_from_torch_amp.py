@@ -4,10 +4,11 @@ A small MLP trains for `--steps-before` steps with plain torch.amp (`torch.autoc
 `torch.amp.GradScaler`, `torch.optim.AdamW` or `SGD` with momentum) and is checkpointed with
 `torch.save`. From that checkpoint two runs go on side by side for `--steps-after` steps: torch.amp
 as before, and fmp, whose state is built from the checkpoint: the params from the model's
-state_dict, the optimizer state converted from torch.optim's state_dict (`optimizer_from_torch`
-below), the loss scale from the GradScaler's (`fmp.DynamicLossScale.from_state_dict`). Every fifth
-batch holds an inf and the scale grows every three finite steps, so both runs back off, skip and
-grow; the scales they print step by step are identical. Then the fmp state goes through
+state_dict, the optimizer state converted from torch.optim's state_dict
+(`fmp.optim.from_torch_state_dict`), the loss scale from the GradScaler's
+(`fmp.DynamicLossScale.from_state_dict`). Every fifth batch holds an inf and the scale grows
+every three finite steps, so both runs back off, skip and grow; the scales they print step by
+step are identical. Then the fmp state goes through
 `torch.save` and `torch.load(weights_only=True)` bit for bit, and back the other way a GradScaler
 loads fmp's scaler state.
 
@@ -27,7 +28,6 @@ import argparse
 import copy
 import functools
 import tempfile
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,6 @@ IN_FEATURES = 16
 INIT_SCALE = 2.0**10
 GROWTH_INTERVAL = 3
 OVERFLOW_EVERY = 5  # every fifth batch (global step 4, 9, 14, ...) holds an inf
-TORCH_NAMES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
 
 
 def make_model(width: int) -> nn.Sequential:
@@ -88,119 +87,6 @@ def torch_amp_step(
     optimizer.zero_grad()
     # GradScaler always backs off when it skips, so a lower scale is how a skipped step shows.
     return float(loss.detach()), scale, scaler.get_scale() >= scale
-
-
-def optimizer_from_torch(
-    kind: str, saved: Mapping[str, Any], params: dict[str, torch.Tensor], applied_steps: int
-) -> tuple[fmp.optim.Optimizer, Any]:
-    """fmp's optimizer and optimizer state equal to a `torch.optim` optimizer's `state_dict()`.
-
-    Args:
-        kind: "adamw", "adam" or "sgd": the torch.optim class that saved `saved`.
-        saved: `optimizer.state_dict()` of that optimizer, built on `params` in this order (as
-            `model.parameters()` lists them) in one param group.
-        params: The parameters, by name, on the device the state should live on.
-        applied_steps: Optimizer steps torch applied (skipped ones not counted). torch.optim.SGD
-            keeps no count of its own, fmp's SgdState does (step 0 seeds the momentum buffers, a
-            schedule reads it); Adam's count in `saved` is checked against it.
-
-    Returns:
-        `(optimizer, opt_state)`, for `TrainState.create(...)._replace(opt_state=opt_state)`.
-
-    Raises:
-        ValueError: Naming what does not match: the optimizer kind, the param groups, the number,
-            shapes or dtypes of the parameters, a state entry, or a setting fmp has no equal for.
-    """
-    if kind not in TORCH_NAMES:
-        raise ValueError(f"kind must be one of {sorted(TORCH_NAMES)}, got {kind!r}")
-    groups, states = saved.get("param_groups"), saved.get("state")
-    if not isinstance(groups, list) or not isinstance(states, Mapping):
-        raise ValueError(f"not a torch.optim state_dict: keys {sorted(saved)}, expected 'state' and 'param_groups'")
-    if len(groups) != 1:
-        raise ValueError(
-            f"fmp's optimizers take one set of hyperparameters; the checkpoint has {len(groups)} param groups"
-        )
-    group, names = groups[0], list(params)
-    is_adam = kind != "sgd"
-    # The settings this converter maps onto fmp's optimizer, and those that only pick torch's kernels.
-    required = {"params", "lr", "weight_decay"} | (
-        {"betas", "eps"} if is_adam else {"momentum", "dampening", "nesterov"}
-    )
-    known = required | {"maximize", "foreach", "capturable", "differentiable", "fused", "initial_lr"}
-    known |= {"amsgrad", "decoupled_weight_decay"} if is_adam else set()
-    missing_keys, unknown_keys = sorted(required - set(group)), sorted(set(group) - known)
-    if missing_keys or unknown_keys:
-        raise ValueError(
-            f"not a torch.optim.{TORCH_NAMES[kind]} state_dict: its param group "
-            f"lacks {missing_keys} and has unknown settings {unknown_keys}"
-        )
-    if len(group["params"]) != len(names):
-        raise ValueError(f"the optimizer checkpoint holds {len(group['params'])} parameters, the model {len(names)}")
-    if group.get("maximize"):
-        raise ValueError("the checkpoint's optimizer has maximize=True, which fmp's optimizers do not offer")
-    per_param = [states.get(index) for index in group["params"]]
-    lr = float(group["lr"])  # torch allows a tensor lr
-
-    def restored(name: str, entry: Mapping[str, Any], key: str) -> torch.Tensor:
-        if key not in entry or not isinstance(entry[key], torch.Tensor):
-            raise ValueError(f"the optimizer state of {name} has no tensor {key!r}: keys {sorted(entry)}")
-        value, param = entry[key], params[name]
-        if value.shape != param.shape or value.dtype != param.dtype:
-            raise ValueError(
-                f"{key} of {name} is {value.dtype}{list(value.shape)}, the param {param.dtype}{list(param.shape)}"
-            )
-        # A copy: a live optimizer's state_dict() (and one loaded into it) shares these tensors, and
-        # torch.optim updates them in place.
-        return value.to(param.device, copy=True)
-
-    def restored_step(name: str, entry: Mapping[str, Any]) -> float:
-        if not isinstance(entry.get("step"), torch.Tensor | float | int):
-            raise ValueError(f"the optimizer state of {name} has no step count: keys {sorted(entry)}")
-        return float(entry["step"])
-
-    if is_adam:
-        if group.get("amsgrad"):
-            raise ValueError("the checkpoint's Adam uses amsgrad=True, which fmp.optim.adam/adamw do not offer")
-        # torch >= 2.6 records it; older AdamW checkpoints lack the key and are taken at their kind's word.
-        decoupled = group.get("decoupled_weight_decay", kind == "adamw")
-        if decoupled != (kind == "adamw"):
-            raise ValueError(f"expected torch.optim.{TORCH_NAMES[kind]} but decoupled_weight_decay={decoupled}")
-        make = fmp.optim.adamw if kind == "adamw" else fmp.optim.adam
-        betas = (float(group["betas"][0]), float(group["betas"][1]))
-        optimizer = make(lr, betas, float(group["eps"]), float(group["weight_decay"]))
-    else:
-        optimizer = fmp.optim.sgd(
-            lr,
-            float(group["momentum"]),
-            dampening=float(group["dampening"]),
-            nesterov=bool(group["nesterov"]),
-            weight_decay=float(group["weight_decay"]),
-        )
-    # fmp's init gives the state's structure, dtypes and device; the checkpoint fills in the values.
-    fresh = optimizer.init(params)
-    if not is_adam and not group["momentum"]:
-        return optimizer, fresh  # plain SGD keeps no state, in torch or in fmp
-    if all(entry is None for entry in per_param):
-        if applied_steps:
-            raise ValueError(f"the optimizer checkpoint holds no state, yet {applied_steps} steps were applied")
-        return optimizer, fresh  # torch never stepped: nothing to carry over
-    missing = [name for name, entry in zip(names, per_param, strict=True) if entry is None]
-    if missing:
-        raise ValueError(f"the optimizer checkpoint has state for some parameters but not for {missing}")
-    count = torch.full_like(fresh.step, applied_steps)
-    if is_adam:
-        steps = {restored_step(name, entry) for name, entry in zip(names, per_param, strict=True)}
-        if steps != {applied_steps}:
-            raise ValueError(f"the checkpoint's Adam step counts are {sorted(steps)}, expected {applied_steps} for all")
-        return optimizer, fresh._replace(
-            step=count,
-            exp_avg={name: restored(name, entry, "exp_avg") for name, entry in zip(names, per_param, strict=True)},
-            exp_avg_sq={
-                name: restored(name, entry, "exp_avg_sq") for name, entry in zip(names, per_param, strict=True)
-            },
-        )
-    momentum = {name: restored(name, entry, "momentum_buffer") for name, entry in zip(names, per_param, strict=True)}
-    return optimizer, fresh._replace(step=count, momentum=momentum)
 
 
 def trees_bitwise_equal(a: Any, b: Any) -> bool:
@@ -294,7 +180,7 @@ def run(args: argparse.Namespace, checkpoint_dir: Path) -> None:
     # 2b. ...and so does fmp. The module lends its structure to functional_call; its copy holds no memory.
     skeleton = copy.deepcopy(model).to("meta")
     params = {name: checkpoint["model"][name].detach().clone() for name, _ in skeleton.named_parameters()}
-    fmp_optimizer, opt_state = optimizer_from_torch(
+    fmp_optimizer, opt_state = fmp.optim.from_torch_state_dict(
         args.optimizer, checkpoint["optimizer"], params, checkpoint["applied_steps"]
     )
     state = fmp.TrainState.create(params, fmp_optimizer, fmp.DynamicLossScale.from_state_dict(checkpoint["scaler"]))

@@ -6,13 +6,9 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from conftest import bits
-from resume_from_torch_amp import make_model
-from resume_from_torch_amp import optimizer_from_torch
 
 import fmp
 
@@ -112,76 +108,3 @@ def test_resume_from_torch_amp_follows_its_scale_and_round_trips(optimizer: str,
     assert float(state.scaler.loss_scale) == 1024.0 and int(state.scaler.growth_tracker) == 1
     assert int(state.opt_state.step) == 5 + 8  # applied before the checkpoint, then after it
     assert (tmp_path / "torch_amp.pt").is_file()
-
-
-def torch_run(kind: str, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:
-    """A float32 torch.optim run of `steps` steps, and the batch for one more."""
-    torch.manual_seed(0)
-    model = make_model(8)
-    optimizer: torch.optim.Optimizer
-    if kind == "sgd":
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
-    elif kind == "adam":
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.1)
-    else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(1)
-    batches = [torch.randn(4, 16, generator=gen) for _ in range(steps + 1)]
-    for x in batches[:steps]:
-        model(x).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model, optimizer, batches
-
-
-@pytest.mark.parametrize("kind", ["adamw", "adam", "sgd"])
-def test_converted_optimizer_state_continues_torch_optim_bit_for_bit(kind: str) -> None:
-    model, optimizer, batches = torch_run(kind, steps=3)
-    params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    fmp_optimizer, opt_state = optimizer_from_torch(kind, optimizer.state_dict(), params, applied_steps=3)
-    # In float32 without loss scaling, fmp's optimizers are torch.optim's arithmetic op for op.
-    state = fmp.TrainState.create(params, fmp_optimizer, fmp.NoOpLossScale())._replace(opt_state=opt_state)
-
-    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        return torch.func.functional_call(model, params, (x,)).square().mean()
-
-    # torch steps first, updating its buffers in place: fmp's converted state must not share them.
-    model(batches[-1]).square().mean().backward()
-    optimizer.step()
-    state, _ = fmp.train_step(loss_fn, state, batches[-1], policy=fmp.Policy(), optimizer=fmp_optimizer)
-    for name, p in model.named_parameters():
-        assert torch.equal(bits(state.params[name]), bits(p.detach())), name
-    assert int(state.opt_state.step) == 4
-
-
-def adamw_checkpoint() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    model, optimizer, _ = torch_run("adamw", steps=2)
-    return optimizer.state_dict(), {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def test_converter_names_what_does_not_match() -> None:
-    saved, params = adamw_checkpoint()
-    with pytest.raises(ValueError, match=r"not a torch.optim.SGD state_dict: its param group lacks \['dampening'"):
-        optimizer_from_torch("sgd", saved, params, 2)
-    with pytest.raises(ValueError, match="holds 6 parameters, the model 5"):
-        optimizer_from_torch("adamw", saved, dict(list(params.items())[:5]), 2)
-    with pytest.raises(ValueError, match=r"step counts are \[2.0\], expected 3 for all"):
-        optimizer_from_torch("adamw", saved, params, 3)
-    with pytest.raises(ValueError, match=r"expected torch\.optim\.Adam but decoupled_weight_decay=True"):
-        optimizer_from_torch("adam", saved, params, 2)
-    swapped = dict(zip(params, reversed(list(params.values())), strict=True))
-    with pytest.raises(
-        ValueError, match=r"exp_avg of 0.weight is torch.float32\[8, 16\], the param torch.float32\[1\]"
-    ):
-        optimizer_from_torch("adamw", saved, swapped, 2)
-    two_groups = {**saved, "param_groups": saved["param_groups"] * 2}
-    with pytest.raises(ValueError, match="one set of hyperparameters; the checkpoint has 2 param groups"):
-        optimizer_from_torch("adamw", two_groups, params, 2)
-    amsgrad = {**saved, "param_groups": [{**saved["param_groups"][0], "amsgrad": True}]}
-    with pytest.raises(ValueError, match="amsgrad=True"):
-        optimizer_from_torch("adamw", amsgrad, params, 2)
-    partial = {**saved, "state": {k: v for k, v in saved["state"].items() if k != 3}}
-    with pytest.raises(ValueError, match=r"state for some parameters but not for \['2.bias'\]"):
-        optimizer_from_torch("adamw", partial, params, 2)
-    with pytest.raises(ValueError, match=r"not a torch\.optim state_dict"):
-        optimizer_from_torch("adamw", {"exp_avg": 0}, params, 2)

@@ -11,6 +11,7 @@ from fmp.optim.clip import clip_by_global_norm
 from fmp.optim.clip import global_norm
 from fmp.optim.sgd import SgdState
 from fmp.optim.sgd import sgd
+from fmp.optim.torch_state import from_torch_state_dict
 
 __all__ = [
     "AdamState",
@@ -21,6 +22,7 @@ __all__ = [
     "adamw",
     "clip_by_global_norm",
     "from_gradient_transformation",
+    "from_torch_state_dict",
     "global_norm",
     "schedule",
     "sgd",

@@ -1,0 +1,153 @@
+"""Moving a run from `torch.optim` to fmp mid-training: an optimizer and its state from a state_dict."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from fmp._checks import check_int
+from fmp.optim._base import Optimizer
+from fmp.optim.adam import AdamState
+from fmp.optim.adam import adam
+from fmp.optim.adam import adamw
+from fmp.optim.sgd import SgdState
+from fmp.optim.sgd import sgd
+
+__all__ = ["from_torch_state_dict"]
+
+_TORCH_NAMES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
+# Settings that only choose torch's kernels or record a scheduler's start: nothing to carry over.
+_KERNEL_SETTINGS = {"maximize", "foreach", "capturable", "differentiable", "fused", "initial_lr"}
+
+
+def _check_group(kind: str, state_dict: Any, count: int) -> dict[str, Any]:
+    """The one param group of a `torch.optim` state_dict of `kind` for `count` parameters, checked."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a torch.optim state_dict (a dict), got {type(state_dict).__name__}")
+    groups, states = state_dict.get("param_groups"), state_dict.get("state")
+    if not isinstance(groups, list) or not isinstance(states, Mapping):
+        raise ValueError(
+            f"not a torch.optim state_dict: keys {sorted(map(str, state_dict))}, expected 'state' and 'param_groups'"
+        )
+    if len(groups) != 1:
+        raise ValueError(
+            f"fmp's optimizers take one set of hyperparameters; the state_dict has {len(groups)} param groups"
+        )
+    group: dict[str, Any] = dict(groups[0])
+    is_adam = kind != "sgd"
+    required = {"params", "lr", "weight_decay"} | (
+        {"betas", "eps"} if is_adam else {"momentum", "dampening", "nesterov"}
+    )
+    known = required | _KERNEL_SETTINGS | ({"amsgrad", "decoupled_weight_decay"} if is_adam else set())
+    missing, unknown = sorted(required - set(group)), sorted(set(group) - known)
+    if missing or unknown:
+        raise ValueError(
+            f"not a torch.optim.{_TORCH_NAMES[kind]} state_dict: its param group lacks {missing} "
+            f"and has unknown settings {unknown}"
+        )
+    if len(group["params"]) != count:
+        raise ValueError(f"the state_dict holds {len(group['params'])} parameters, params {count}")
+    if group.get("maximize"):
+        raise ValueError("the state_dict's optimizer has maximize=True, which fmp's optimizers do not offer")
+    if is_adam:
+        if group.get("amsgrad"):
+            raise ValueError("the state_dict's Adam uses amsgrad=True, which fmp.optim.adam and adamw do not offer")
+        # torch >= 2.6 records it; older AdamW state_dicts lack the key and are taken at their kind's word.
+        decoupled = group.get("decoupled_weight_decay", kind == "adamw")
+        if decoupled != (kind == "adamw"):
+            raise ValueError(f"expected torch.optim.{_TORCH_NAMES[kind]} but decoupled_weight_decay={decoupled}")
+    return group
+
+
+def _optimizer(kind: str, group: Mapping[str, Any]) -> Optimizer:
+    lr = float(group["lr"])  # torch allows a tensor lr
+    if kind == "sgd":
+        return sgd(
+            lr,
+            float(group["momentum"]),
+            dampening=float(group["dampening"]),
+            nesterov=bool(group["nesterov"]),
+            weight_decay=float(group["weight_decay"]),
+        )
+    make = adamw if kind == "adamw" else adam
+    betas = (float(group["betas"][0]), float(group["betas"][1]))
+    return make(lr, betas, float(group["eps"]), float(group["weight_decay"]))
+
+
+def _restored(name: str, entry: Mapping[str, Any], key: str, param: torch.Tensor) -> torch.Tensor:
+    """One state tensor, checked against its param and copied onto the param's device."""
+    value = entry.get(key)
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"the optimizer state of {name} has no tensor {key!r}: keys {sorted(entry)}")
+    if value.shape != param.shape or value.dtype != param.dtype:
+        raise ValueError(
+            f"{key} of {name} is {value.dtype}{list(value.shape)}, the param {param.dtype}{list(param.shape)}"
+        )
+    # A copy: a live optimizer's state_dict() shares these tensors, and torch.optim updates them in place.
+    return value.to(param.device, copy=True)
+
+
+def from_torch_state_dict(
+    kind: str, state_dict: Mapping[str, Any], params: Mapping[str, torch.Tensor], applied_steps: int
+) -> tuple[Optimizer, Any]:
+    """Fmp's optimizer and optimizer state equal to a `torch.optim` optimizer's `state_dict()`.
+
+    With them a run checkpointed under torch.amp goes on under fmp (the loss scale comes over with
+    `fmp.DynamicLossScale.from_state_dict`). fmp's optimizers are torch.optim's arithmetic op for
+    op, so in float32 the continued run is bit-identical to torch's (tested). The hyperparameters
+    come from the state_dict's param group; a learning-rate scheduler's state does not (give the
+    returned optimizer's settings a schedule yourself if the run used one).
+
+    Args:
+        kind: "adamw", "adam" or "sgd": the `torch.optim` class that saved `state_dict` (its
+            state_dict does not say, and torch before 2.6 saves Adam and AdamW alike).
+        state_dict: `optimizer.state_dict()` of that optimizer, built on the parameters in the
+            order of `params` (as `model.parameters()` lists them) in one param group.
+        params: The parameters by name, in the model's order, on the device the state goes to.
+        applied_steps: Optimizer steps torch applied, skipped ones not counted. torch.optim.SGD keeps
+            no count of its own and fmp's `SgdState` does (its first step seeds the momentum
+            buffers, a schedule reads it); Adam's own count in `state_dict` must equal it.
+
+    Returns:
+        `(optimizer, opt_state)`, for `TrainState.create(params, optimizer, scaler)._replace(opt_state=opt_state)`.
+
+    Raises:
+        TypeError, ValueError: Naming what does not match: the kind, the param groups, the number,
+            shapes or dtypes of the parameters, a state entry, a step count, or a setting fmp's
+            optimizers do not offer (`maximize`, `amsgrad`).
+    """
+    if kind not in _TORCH_NAMES:
+        raise ValueError(f"kind must be one of {sorted(_TORCH_NAMES)}, got {kind!r}")
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a dict of tensors by name, got {type(params).__name__}")
+    applied_steps = check_int("applied_steps", applied_steps, 0, torch.iinfo(torch.int32).max)
+    group = _check_group(kind, state_dict, len(params))
+    optimizer = _optimizer(kind, group)
+    # fmp's init gives the state's structure, dtypes and device; the state_dict fills in the values.
+    fresh = optimizer.init(dict(params))
+    names, entries = list(params), [state_dict["state"].get(index) for index in group["params"]]
+    if kind == "sgd" and not group["momentum"]:
+        return optimizer, fresh  # plain SGD keeps no state, in torch or in fmp
+    if all(entry is None for entry in entries):
+        if applied_steps:
+            raise ValueError(f"the state_dict holds no optimizer state, yet {applied_steps} steps were applied")
+        return optimizer, fresh  # torch never stepped: nothing to carry over
+    missing = [name for name, entry in zip(names, entries, strict=True) if entry is None]
+    if missing:
+        raise ValueError(f"the state_dict has state for some parameters but not for {missing}")
+    step = torch.full_like(fresh.step, applied_steps)
+    if kind == "sgd":
+        momentum = {n: _restored(n, e, "momentum_buffer", params[n]) for n, e in zip(names, entries, strict=True)}
+        return optimizer, SgdState(step, momentum)
+    counts = set()
+    for name, entry in zip(names, entries, strict=True):
+        if not isinstance(entry.get("step"), torch.Tensor | float | int):
+            raise ValueError(f"the optimizer state of {name} has no step count: keys {sorted(entry)}")
+        counts.add(float(entry["step"]))
+    if counts != {applied_steps}:
+        raise ValueError(f"the state_dict's Adam step counts are {sorted(counts)}, expected {applied_steps} for all")
+    exp_avg = {n: _restored(n, e, "exp_avg", params[n]) for n, e in zip(names, entries, strict=True)}
+    exp_avg_sq = {n: _restored(n, e, "exp_avg_sq", params[n]) for n, e in zip(names, entries, strict=True)}
+    return optimizer, AdamState(step, exp_avg, exp_avg_sq)

@@ -1,0 +1,109 @@
+"""fmp.optim.from_torch_state_dict: a torch.optim run goes on under fmp, bit for bit in float32."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import bits
+
+import fmp
+
+
+def make_model() -> torch.nn.Sequential:
+    return torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+
+
+def torch_run(kind: str, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:
+    """A float32 torch.optim run of `steps` steps, and the batch for one more."""
+    torch.manual_seed(0)
+    model = make_model()
+    optimizer: torch.optim.Optimizer
+    if kind == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)
+    elif kind == "adam":
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.1)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(4, 16, generator=gen) for _ in range(steps + 1)]
+    for x in batches[:steps]:
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer, batches
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adam", "sgd"])
+def test_converted_optimizer_state_continues_torch_optim_bit_for_bit(kind: str) -> None:
+    model, optimizer, batches = torch_run(kind, steps=3)
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    fmp_optimizer, opt_state = fmp.optim.from_torch_state_dict(kind, optimizer.state_dict(), params, applied_steps=3)
+    # In float32 without loss scaling, fmp's optimizers are torch.optim's arithmetic op for op.
+    state = fmp.TrainState.create(params, fmp_optimizer, fmp.NoOpLossScale())._replace(opt_state=opt_state)
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, params, (x,)).square().mean()
+
+    # torch steps first, updating its buffers in place: fmp's converted state must not share them.
+    model(batches[-1]).square().mean().backward()
+    optimizer.step()
+    state, _ = fmp.train_step(loss_fn, state, batches[-1], policy=fmp.Policy(), optimizer=fmp_optimizer)
+    for name, p in model.named_parameters():
+        assert torch.equal(bits(state.params[name]), bits(p.detach())), name
+    assert int(state.opt_state.step) == 4
+
+
+def adamw_checkpoint() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    model, optimizer, _ = torch_run("adamw", steps=2)
+    return optimizer.state_dict(), {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_converter_names_what_does_not_match() -> None:
+    saved, params = adamw_checkpoint()
+    with pytest.raises(ValueError, match=r"not a torch.optim.SGD state_dict: its param group lacks \['dampening'"):
+        fmp.optim.from_torch_state_dict("sgd", saved, params, 2)
+    with pytest.raises(ValueError, match="the state_dict holds 6 parameters, params 5"):
+        fmp.optim.from_torch_state_dict("adamw", saved, dict(list(params.items())[:5]), 2)
+    with pytest.raises(ValueError, match=r"step counts are \[2.0\], expected 3 for all"):
+        fmp.optim.from_torch_state_dict("adamw", saved, params, 3)
+    with pytest.raises(ValueError, match=r"expected torch\.optim\.Adam but decoupled_weight_decay=True"):
+        fmp.optim.from_torch_state_dict("adam", saved, params, 2)
+    swapped = dict(zip(params, reversed(list(params.values())), strict=True))
+    with pytest.raises(
+        ValueError, match=r"exp_avg of 0.weight is torch.float32\[8, 16\], the param torch.float32\[1\]"
+    ):
+        fmp.optim.from_torch_state_dict("adamw", saved, swapped, 2)
+    two_groups = {**saved, "param_groups": saved["param_groups"] * 2}
+    with pytest.raises(ValueError, match="one set of hyperparameters; the state_dict has 2 param groups"):
+        fmp.optim.from_torch_state_dict("adamw", two_groups, params, 2)
+    amsgrad = {**saved, "param_groups": [{**saved["param_groups"][0], "amsgrad": True}]}
+    with pytest.raises(ValueError, match="amsgrad=True"):
+        fmp.optim.from_torch_state_dict("adamw", amsgrad, params, 2)
+    partial = {**saved, "state": {k: v for k, v in saved["state"].items() if k != 3}}
+    with pytest.raises(ValueError, match=r"state for some parameters but not for \['2.bias'\]"):
+        fmp.optim.from_torch_state_dict("adamw", partial, params, 2)
+    with pytest.raises(ValueError, match=r"not a torch\.optim state_dict"):
+        fmp.optim.from_torch_state_dict("adamw", {"exp_avg": 0}, params, 2)
+    with pytest.raises(ValueError, match=r"kind must be one of \['adam', 'adamw', 'sgd'\], got 'AdamW'"):
+        fmp.optim.from_torch_state_dict("AdamW", saved, params, 2)
+    with pytest.raises(TypeError, match="applied_steps must be an int, got bool"):
+        fmp.optim.from_torch_state_dict("adamw", saved, params, True)
+    with pytest.raises(TypeError, match="params must be a dict of tensors by name, got list"):
+        fmp.optim.from_torch_state_dict("adamw", saved, list(params.values()), 2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"state_dict must be a torch\.optim state_dict"):
+        fmp.optim.from_torch_state_dict("adamw", [saved], params, 2)  # type: ignore[arg-type]
+
+
+def test_stateless_and_unstepped_optimizers_convert_to_a_fresh_state() -> None:
+    model = make_model()
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer, state = fmp.optim.from_torch_state_dict("sgd", plain.state_dict(), params, 5)
+    assert state == optimizer.init(params) == ()
+    unstepped = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
+    optimizer, state = fmp.optim.from_torch_state_dict("adamw", unstepped.state_dict(), params, 0)
+    assert int(state.step) == 0 and all(not m.any() for m in state.exp_avg.values())
+    with pytest.raises(ValueError, match="holds no optimizer state, yet 3 steps were applied"):
+        fmp.optim.from_torch_state_dict("adamw", unstepped.state_dict(), params, 3)
