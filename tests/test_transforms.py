@@ -274,3 +274,31 @@ def test_grad_through_a_train_step_equals_the_plain_meta_gradient() -> None:
     ours, plain = torch.func.grad(after_fmp_step)(x), torch.func.grad(after_plain_step)(x)
     torch.testing.assert_close(ours, plain, **TOLERANCES[torch.float32])
     assert ours.abs().sum() > 0
+
+
+@pytest.mark.compiled
+def test_compiled_step_updates_batchnorm_statistics_passed_as_args_like_eager() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    optimizer = fmp.optim.sgd(0.1)
+
+    def loss_fn(params: Any, buffers: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(torch.func.functional_call(model, {**params, **buffers}, (x,)), y)
+
+    def run(step: Callable[..., Any]) -> tuple[fmp.TrainState, dict[str, torch.Tensor]]:
+        buffers = {name: b.clone() for name, b in model.named_buffers()}
+        params = {name: p.detach().clone() for name, p in model.named_parameters()}
+        state = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create())
+        for x, y in mlp_batches(3, 0):
+            state, _ = step(state, buffers, x, y)
+        return state, buffers
+
+    counter = CompileCounterWithBackend("inductor")
+    step = functools.partial(fmp.train_step, loss_fn, policy=F32, optimizer=optimizer)
+    (eager_state, eager_buffers), (state, buffers) = (
+        run(step),
+        run(torch.compile(step, backend=counter, fullgraph=True)),
+    )
+    assert counter.frame_count == 1 and int(buffers["1.num_batches_tracked"]) == 3
+    assert_trees_close(buffers, eager_buffers, **TOLERANCES[torch.float32])
+    assert_trees_close(state.params, eager_state.params, **TOLERANCES[torch.float32])
