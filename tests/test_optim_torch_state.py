@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -107,3 +108,60 @@ def test_stateless_and_unstepped_optimizers_convert_to_a_fresh_state() -> None:
     assert int(state.step) == 0 and all(not m.any() for m in state.exp_avg.values())
     with pytest.raises(ValueError, match="holds no optimizer state, yet 3 steps were applied"):
         fmp.optim.from_torch_state_dict("adamw", unstepped.state_dict(), params, 3)
+
+
+def fmp_optimizer_like_torch_run(kind: str) -> fmp.optim.Optimizer:
+    """fmp's optimizer with the hyperparameters `torch_run` gives torch's."""
+    if kind == "sgd":
+        return fmp.optim.sgd(0.1, 0.9, nesterov=True, weight_decay=0.01)
+    return fmp.optim.adam(1e-2, weight_decay=0.1) if kind == "adam" else fmp.optim.adamw(1e-2)
+
+
+@pytest.mark.parametrize("steps", [0, 2])
+@pytest.mark.parametrize("kind", ["adamw", "adam", "sgd"])
+def test_a_run_moves_back_to_torch_optim_and_continues_bit_for_bit(kind: str, steps: int) -> None:
+    model, optimizer, batches = torch_run(kind, steps=0)  # torch's optimizer, never stepped
+    fmp_optimizer = fmp_optimizer_like_torch_run(kind)
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    state = fmp.TrainState.create(params, fmp_optimizer, fmp.NoOpLossScale())
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, params, (x,)).square().mean()
+
+    step = functools.partial(fmp.train_step, loss_fn, policy=fmp.Policy(), optimizer=fmp_optimizer)
+    for x in [torch.randn(4, 16) for _ in range(steps)]:
+        state, _ = step(state, x)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(state.params[name])
+    optimizer.load_state_dict(fmp.optim.to_torch_state_dict(state.opt_state, optimizer))
+    for x in batches[:2]:  # both go on: torch's state must not share fmp's tensors
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        state, _ = step(state, x)
+    for name, p in model.named_parameters():
+        assert torch.equal(bits(state.params[name]), bits(p.detach())), name
+
+
+def test_the_way_back_names_what_does_not_match() -> None:
+    model, adamw, _ = torch_run("adamw", steps=0)
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    adam_state = fmp.optim.adamw().init(params)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(TypeError, match=r"opt_state is a AdamState, which is not the state of a torch\.optim\.SGD"):
+        fmp.optim.to_torch_state_dict(adam_state, sgd)
+    with pytest.raises(ValueError, match=r"torch_optimizer has momentum=0\.9 but opt_state keeps none"):
+        fmp.optim.to_torch_state_dict(fmp.optim.sgd(0.1).init(params), sgd)
+    with pytest.raises(TypeError, match=r"torch_optimizer must be a torch\.optim\.SGD, Adam or AdamW, got RMSprop"):
+        fmp.optim.to_torch_state_dict(adam_state, torch.optim.RMSprop(model.parameters()))
+    fewer = torch.optim.AdamW(list(model.parameters())[:5])
+    with pytest.raises(ValueError, match="opt_state holds 6 parameters' state, torch_optimizer 5"):
+        fmp.optim.to_torch_state_dict(adam_state, fewer)
+    swapped = torch.optim.AdamW(list(reversed(list(model.parameters()))))
+    with pytest.raises(ValueError, match=r"parameter 0: torch_optimizer's is torch.float32\[1\], opt_state's"):
+        fmp.optim.to_torch_state_dict(adam_state, swapped)
+    two_groups = torch.optim.AdamW([{"params": [p]} for p in model.parameters()])
+    with pytest.raises(ValueError, match="torch_optimizer has 6 param groups"):
+        fmp.optim.to_torch_state_dict(adam_state, two_groups)
+    assert fmp.optim.to_torch_state_dict(adam_state, adamw)["state"] == {}  # before the first step

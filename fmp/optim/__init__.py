@@ -12,6 +12,7 @@ from fmp.optim.clip import global_norm
 from fmp.optim.sgd import SgdState
 from fmp.optim.sgd import sgd
 from fmp.optim.torch_state import from_torch_state_dict
+from fmp.optim.torch_state import to_torch_state_dict
 
 __all__ = [
     "AdamState",
@@ -26,4 +27,5 @@ __all__ = [
     "global_norm",
     "schedule",
     "sgd",
+    "to_torch_state_dict",
 ]

@@ -1,4 +1,4 @@
-"""Moving a run from `torch.optim` to fmp mid-training: an optimizer and its state from a state_dict."""
+"""Moving a run between `torch.optim` and fmp mid-training: optimizer state through torch's state_dict format."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from fmp._checks import check_int
 from fmp.optim._base import Optimizer
@@ -15,7 +16,7 @@ from fmp.optim.adam import adamw
 from fmp.optim.sgd import SgdState
 from fmp.optim.sgd import sgd
 
-__all__ = ["from_torch_state_dict"]
+__all__ = ["from_torch_state_dict", "to_torch_state_dict"]
 
 _TORCH_NAMES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
 # Settings that only choose torch's kernels or record a scheduler's start: nothing to carry over.
@@ -151,3 +152,81 @@ def from_torch_state_dict(
     exp_avg = {n: _restored(n, e, "exp_avg", params[n]) for n, e in zip(names, entries, strict=True)}
     exp_avg_sq = {n: _restored(n, e, "exp_avg_sq", params[n]) for n, e in zip(names, entries, strict=True)}
     return optimizer, AdamState(step, exp_avg, exp_avg_sq)
+
+
+def _torch_params(torch_optimizer: torch.optim.Optimizer, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The torch optimizer's parameters, checked against fmp's state leaves, one per parameter."""
+    groups = len(torch_optimizer.param_groups)
+    if groups != 1:
+        raise ValueError(f"fmp's optimizers take one set of hyperparameters; torch_optimizer has {groups} param groups")
+    torch_params: list[torch.Tensor] = list(torch_optimizer.param_groups[0]["params"])
+    if len(torch_params) != len(leaves):
+        raise ValueError(f"opt_state holds {len(leaves)} parameters' state, torch_optimizer {len(torch_params)}")
+    for index, (param, leaf) in enumerate(zip(torch_params, leaves, strict=True)):
+        if param.shape != leaf.shape or param.dtype != leaf.dtype:
+            raise ValueError(
+                f"parameter {index}: torch_optimizer's is {param.dtype}{list(param.shape)}, "
+                f"opt_state's {leaf.dtype}{list(leaf.shape)}"
+            )
+    return torch_params
+
+
+def to_torch_state_dict(opt_state: Any, torch_optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A state_dict that makes `torch_optimizer` go on from fmp's optimizer state.
+
+    The way back from fmp to `torch.optim`: build the torch optimizer on the model's parameters
+    with the hyperparameters the fmp optimizer had (fmp's optimizers close over theirs, so they
+    cannot be checked here), then `torch_optimizer.load_state_dict(to_torch_state_dict(...))`.
+    The state's tensors are copied, so the two optimizers share nothing. Together with
+    `torch.amp.GradScaler.load_state_dict(state.scaler.state_dict())` a run moves back to torch.amp.
+
+    Note:
+        Reads the step count on the host (a sync), as a checkpoint conversion may.
+
+    Args:
+        opt_state: The state of `fmp.optim.sgd`, `adam` or `adamw` (`state.opt_state`), for params
+            listed in the order `torch_optimizer` holds them (as `model.parameters()` lists them).
+        torch_optimizer: A `torch.optim.SGD`, `Adam` or `AdamW` with one param group.
+
+    Returns:
+        `{"state": ..., "param_groups": ...}` in torch's format, the param groups `torch_optimizer`'s own.
+
+    Raises:
+        TypeError, ValueError: Naming the mismatch: an optimizer or state of another kind, a
+            momentum one side keeps and the other does not, or parameters that differ in number,
+            shape or dtype.
+    """
+    if not isinstance(torch_optimizer, torch.optim.SGD | torch.optim.Adam | torch.optim.AdamW):
+        raise TypeError(
+            f"torch_optimizer must be a torch.optim.SGD, Adam or AdamW, got {type(torch_optimizer).__name__}"
+        )
+    kind = type(torch_optimizer).__name__
+    param_groups = torch_optimizer.state_dict()["param_groups"]
+    is_adam = not isinstance(torch_optimizer, torch.optim.SGD)
+    stateless = isinstance(opt_state, tuple) and opt_state == ()  # plain SGD's
+    if is_adam != isinstance(opt_state, AdamState) or not (is_adam or isinstance(opt_state, SgdState) or stateless):
+        raise TypeError(f"opt_state is a {type(opt_state).__name__}, which is not the state of a torch.optim.{kind}")
+    buffers: dict[str, Any] = {}
+    if isinstance(opt_state, AdamState):
+        buffers = {"exp_avg": opt_state.exp_avg, "exp_avg_sq": opt_state.exp_avg_sq}
+    elif isinstance(opt_state, SgdState) and opt_state.momentum != ():
+        buffers = {"momentum_buffer": opt_state.momentum}
+    if not is_adam and bool(param_groups[0]["momentum"]) != bool(buffers):
+        raise ValueError(
+            f"torch_optimizer has momentum={param_groups[0]['momentum']} but opt_state keeps "
+            f"{'momentum buffers' if buffers else 'none'}"
+        )
+    steps = 0 if stateless else int(opt_state.step)
+    flat = {key: pytree.tree_leaves(tree) for key, tree in buffers.items()}
+    if not flat:
+        return {"state": {}, "param_groups": param_groups}
+    torch_params = _torch_params(torch_optimizer, next(iter(flat.values())))
+    if steps == 0:
+        return {"state": {}, "param_groups": param_groups}  # torch keeps no state before its first step
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for index, param in enumerate(torch_params):
+        entry = {key: leaves[index].to(param.device, copy=True) for key, leaves in flat.items()}
+        if is_adam:
+            entry["step"] = torch.tensor(float(steps))  # torch loads it onto the device where it needs it
+        state[index] = entry
+    return {"state": state, "param_groups": param_groups}
