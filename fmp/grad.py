@@ -131,20 +131,46 @@ def _check_losses(out: Any, scaler: ScalerTree) -> Any:
     return tuple(_check_loss(loss, f"loss_fn's loss[{index}] must be") for index, loss in enumerate(out))
 
 
-def _check_untracked(loss: Any) -> None:
-    """Raises if autograd tracks the loss outside the transform: it then reads tensors that are not `params`.
+def _base_tensor(x: torch.Tensor) -> torch.Tensor:
+    """`x` with every `torch.func` wrapper (vmap's batching, an outer grad's tracking) taken off."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(x):
+        x = torch._C._functorch.get_unwrapped(x)
+    return x
 
-    Eager only: compiled, a loss an outer `torch.func` transform differentiates on purpose (a
-    meta-gradient) also requires grad, and the test that tells them apart is not traceable.
+
+def _module_parameters_read(loss: torch.Tensor) -> list[torch.nn.Parameter]:
+    """The `nn.Parameter`s that autograd's graph of `loss` accumulates into, in no particular order."""
+    found, seen, stack = [], set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+        if isinstance(variable, torch.nn.Parameter):
+            found.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+def _check_untracked(loss: Any) -> None:
+    """Raises if the loss reads a module's own `nn.Parameter`s, which get no gradient from the step.
+
+    Only a loss that autograd tracks is searched, so the usual step pays nothing, and other
+    tracked inputs pass: a meta-gradient with plain autograd through an input that requires grad.
+    Eager only: a compiled step cannot read autograd's graph while it is traced.
     """
     if torch.compiler.is_compiling():
         return
     for leaf in pytree.tree_leaves(loss):
-        if leaf.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(leaf):
+        base = _base_tensor(leaf)
+        read = _module_parameters_read(base) if base.requires_grad else []
+        if read:
+            shapes = sorted({str(list(p.shape)) for p in read})
             raise ValueError(
-                "loss_fn's loss requires grad outside params: it reads tensors autograd tracks, which get no "
-                "update and chain a graph onto every step. Call the model as "
-                "torch.func.functional_call(model, params, (x,)), not model(x), and .detach() other inputs"
+                f"loss_fn's loss reads {len(read)} nn.Parameter(s) (shapes {', '.join(shapes)}) outside params: "
+                f"they get no update. Call the model as torch.func.functional_call(model, params, (x,)), "
+                f"not model(x), and call requires_grad_(False) on frozen weights left out of params"
             )
 
 
@@ -208,9 +234,9 @@ def mixed_precision_grad(
     Raises:
         TypeError, ValueError: Naming the problem, if `loss_fn` returns anything but 0-dim floating
             losses (one per scaler) and a tensor aux, a parameter is not a floating tensor in the
-            param dtype, or `scaler` or `policy` is of the wrong type. Eager, also if autograd
-            tracks the loss outside `params` (a module called as `model(x)`, whose own weights
-            would get no update, or an input not detached from its graph).
+            param dtype, or `scaler` or `policy` is of the wrong type. Eager, also if the loss
+            reads a module's own parameters outside `params` (a module called as `model(x)`, or
+            frozen weights that still require grad), which the step would not update.
     """
     check_scalers(scaler)
     if not isinstance(policy, Policy):

@@ -165,3 +165,11 @@ def test_the_way_back_names_what_does_not_match() -> None:
     with pytest.raises(ValueError, match="torch_optimizer has 6 param groups"):
         fmp.optim.to_torch_state_dict(adam_state, two_groups)
     assert fmp.optim.to_torch_state_dict(adam_state, adamw)["state"] == {}  # before the first step
+
+
+def test_state_without_applied_steps_is_refused() -> None:
+    for kind in ("sgd", "adamw"):
+        model, optimizer, _ = torch_run(kind, steps=2)
+        params = {name: p.detach().clone() for name, p in model.named_parameters()}
+        with pytest.raises(ValueError, match="holds optimizer state, so torch applied steps, yet applied_steps is 0"):
+            fmp.optim.from_torch_state_dict(kind, optimizer.state_dict(), params, 0)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import pytest
@@ -360,22 +361,35 @@ def test_batchnorm_statistics_passed_as_args_update_in_place_as_under_torch_auto
     assert_trees_bitwise_equal(state.params, {name: p.detach() for name, p in reference.named_parameters()})
 
 
-def test_a_loss_autograd_tracks_outside_params_is_named() -> None:
-    model = torch.nn.Linear(8, 1)
+def test_a_loss_that_reads_a_modules_own_parameters_is_named() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 1))
     optimizer = fmp.optim.sgd(0.1)
-    state = fmp.TrainState.create({k: v.detach() for k, v in model.named_parameters()}, optimizer, fmp.NoOpLossScale())
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    state = fmp.TrainState.create(params, optimizer, fmp.NoOpLossScale())
     x, y = batch()
+    step = functools.partial(fmp.train_step, policy=fmp.Policy(), optimizer=optimizer)
 
     def forgets_params(params: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(model(x), y)  # trains nothing: model's own weights are read
+        return torch.nn.functional.mse_loss(model(x), y)  # trains nothing: the module's own weights are read
 
     def uses_params(params: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)), y)
 
-    message = r"requires grad outside params: .* torch\.func\.functional_call\(model, params, \(x,\)\), not model\(x\)"
+    message = r"reads 4 nn.Parameter\(s\) \(shapes \[1, 4\], \[1\], \[4, 8\], \[4\]\) outside params: .* not model\(x\)"
     with pytest.raises(ValueError, match=message):
-        fmp.train_step(forgets_params, state, x, y, policy=fmp.Policy(), optimizer=optimizer)
-    with pytest.raises(ValueError, match=message):  # an input still attached to a graph
-        fmp.train_step(uses_params, state, x.requires_grad_(), y, policy=fmp.Policy(), optimizer=optimizer)
-    _, info = fmp.train_step(uses_params, state, x.detach(), y, policy=fmp.Policy(), optimizer=optimizer)
-    assert bool(info.applied) and not info.loss.requires_grad
+        step(forgets_params, state, x, y)
+    with pytest.raises(ValueError, match=message):  # in an ensemble too
+        ensemble = functools.partial(step, forgets_params)
+        torch.func.vmap(ensemble)(fmp.stack_trees([state, state]), torch.stack([x, x]), torch.stack([y, y]))
+    two = fmp.TrainState.create(params, optimizer, (fmp.NoOpLossScale(), fmp.NoOpLossScale()))
+    with pytest.raises(ValueError, match=message):  # and with several losses
+        step(lambda p, x, y: (forgets_params(p, x, y), uses_params(p, x, y)), two, x, y)
+    head = {k: v for k, v in params.items() if k.startswith("1.")}  # the first layer frozen, yet requiring grad
+    with pytest.raises(ValueError, match=r"reads 2 nn.Parameter\(s\) .* requires_grad_\(False\) on frozen weights"):
+        step(uses_params, fmp.TrainState.create(head, optimizer, fmp.NoOpLossScale()), x, y)
+    # Other tracked inputs pass: a meta-gradient with plain autograd through the step.
+    x.requires_grad_()
+    new_state, info = step(uses_params, state, x, y)
+    assert bool(info.applied) and info.loss.requires_grad
+    uses_params(new_state.params, x, y).backward()
+    assert x.grad is not None and bool(x.grad.abs().sum() > 0)

@@ -99,7 +99,9 @@ def from_torch_state_dict(
     `fmp.DynamicLossScale.from_state_dict`). fmp's optimizers are torch.optim's arithmetic op for
     op, so in float32 the continued run is bit-identical to torch's (tested). The hyperparameters
     come from the state_dict's param group; a learning-rate scheduler's state does not (give the
-    returned optimizer's settings a schedule yourself if the run used one).
+    returned optimizer's settings a schedule yourself if the run used one). A tensor `lr` is
+    taken as a float: torch's Adam divides a tensor lr by the bias correction in float32 and fmp
+    in float64, so such runs agree to about an ulp a step rather than bit for bit.
 
     Args:
         kind: "adamw", "adam" or "sgd": the `torch.optim` class that saved `state_dict` (its
@@ -138,6 +140,8 @@ def from_torch_state_dict(
     missing = [name for name, entry in zip(names, entries, strict=True) if entry is None]
     if missing:
         raise ValueError(f"the state_dict has state for some parameters but not for {missing}")
+    if not applied_steps:  # fmp's first step would seed the momentum afresh, dropping the loaded buffers
+        raise ValueError("the state_dict holds optimizer state, so torch applied steps, yet applied_steps is 0")
     step = torch.full_like(fresh.step, applied_steps)
     if kind == "sgd":
         momentum = {n: _restored(n, e, "momentum_buffer", params[n]) for n, e in zip(names, entries, strict=True)}
