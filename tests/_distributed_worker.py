@@ -101,6 +101,17 @@ def train(
     return state
 
 
+def train_norms(rank: int, world: int) -> torch.Tensor:
+    """Each step's `info.grad_norm` (of the averaged gradients), float32."""
+    state = fmp.distributed.broadcast_tree(make_state())
+    step = functools.partial(fmp.distributed.train_step, mlp_loss, policy=F32, optimizer=fmp.optim.adamw(1e-2))
+    norms = []
+    for batch in global_batches(world):
+        state, info = step(state, *shard(batch, rank), grad_norm=True)
+        norms.append(info.grad_norm)
+    return torch.stack(norms)
+
+
 def count_all_reduces(run: Callable[[], Any]) -> tuple[Any, int]:
     """Runs `run` and counts the functional all-reduces it issues."""
     from fmp.distributed import _reduce
@@ -172,6 +183,7 @@ def scenario_main(rank: int, world: int) -> dict[str, Any]:
     results["f16"] = train(rank, world, fmp.get_policy("p=f32,c=f16,o=f32,r=f16"))
     results["two_losses"] = train(rank, world, F32, two_losses)
     results["accumulate"] = train(rank, world, F32, accumulate=2)  # each micro-batch is reduced
+    results["grad_norms"] = train_norms(rank, world)
     results["many_params"] = count_all_reduces(lambda: many_params_step(rank, 25.0, "functional"))
     results["many_params_small_buckets"] = count_all_reduces(lambda: many_params_step(rank, 0.01, "functional"))
     results["many_params_eager"] = many_params_step(rank, 0.01, "eager")

@@ -90,6 +90,15 @@ def test_a_step_reports_the_norm_of_the_gradients_its_update_received_when_asked
     mean = {k: (parts[0][k] + parts[1][k]) / 2 for k in parts[0]}
     assert bool(info.applied)
     torch.testing.assert_close(info.grad_norm, clip_grad_norm_value(mean), rtol=1e-6, atol=0)
+
+    # Several losses: the norm of their summed gradients, which the update receives.
+    def decay(params: dict[str, torch.Tensor]) -> torch.Tensor:
+        return 0.1 * params["w1"].square().sum()
+
+    two = fmp.TrainState.create(mlp_params(), optimizer, (fmp.NoOpLossScale(), fmp.StaticLossScale.create(8.0)))
+    _, info = fmp.train_step(lambda p, x, y: (mlp_loss(p, x, y), decay(p)), two, x2, y2, **step_kwargs, grad_norm=True)
+    summed = torch.func.grad(lambda p: mlp_loss(p, x2, y2) + decay(p))(mlp_params())
+    torch.testing.assert_close(info.grad_norm, clip_grad_norm_value(summed), rtol=1e-6, atol=0)
     with pytest.raises(TypeError, match="grad_norm must be a bool"):
         fmp.train_step(mlp_loss, state, x1, y1, **step_kwargs, grad_norm=1)  # type: ignore[arg-type]
 

@@ -96,6 +96,21 @@ def test_ranks_stay_bit_identical_and_match_one_process_on_the_whole_batch(main:
     assert_trees_bitwise_equal(rank0["f32"], rank0["f32_eager_collectives"])
 
 
+def test_every_rank_reports_the_norm_of_the_averaged_gradients(main: list[dict[str, Any]]) -> None:
+    rank0, rank1 = main
+    assert_trees_bitwise_equal(rank0["grad_norms"], rank1["grad_norms"])
+    state, reference = worker.make_state(), []
+    for batch in worker.global_batches(WORLD):
+        state, info = fmp.train_step(
+            worker.mlp_loss, state, *batch, policy=worker.F32, optimizer=fmp.optim.adamw(1e-2), grad_norm=True
+        )
+        reference.append(info.grad_norm)
+    # Step 2 overflows on rank 1 only; both ranks report the averaged gradients' non-finite norm.
+    assert rank0["grad_norms"].isfinite().tolist() == [True, True, False, True, True, True]
+    finite = rank0["grad_norms"].isfinite()
+    torch.testing.assert_close(rank0["grad_norms"][finite], torch.stack(reference)[finite], **TOLERANCES[torch.float32])
+
+
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(main: list[dict[str, Any]]) -> None:
     # The inf sits in rank 1's rows of step 2 only; rank 0's own gradients were finite.
     for result in main:
