@@ -10,7 +10,8 @@ state_dict, the optimizer state converted from torch.optim's state_dict
 every three finite steps, so both runs back off, skip and grow; the scales they print step by
 step are identical. Then the fmp state goes through
 `torch.save` and `torch.load(weights_only=True)` bit for bit, and back the other way a GradScaler
-loads fmp's scaler state.
+loads fmp's scaler state and a torch optimizer fmp's optimizer state
+(`fmp.optim.to_torch_state_dict`).
 
 fmp's policy applies the compute dtype op by op with torch.autocast's rules (`Policy.rules`,
 "cuda" by default: on this model, linear in the compute dtype and mse_loss in float32, as
@@ -230,16 +231,29 @@ def run(args: argparse.Namespace, checkpoint_dir: Path) -> None:
     reloaded = trees_bitwise_equal(restored, state)
     print(f"fmp state reloaded from {fmp_path} with weights_only=True, bit for bit: {reloaded}")
 
-    # 4. And back to torch.amp: GradScaler reads fmp's scaler state_dict, the model its params.
+    # 4. And back to torch.amp: GradScaler reads fmp's scaler state_dict, the model its params, the
+    # torch optimizer fmp's optimizer state.
     back = torch.amp.GradScaler(device.type)
     back.load_state_dict(restored.scaler.state_dict())
-    make_model(args.width).to(device).load_state_dict(restored.params)
+    back_model = make_model(args.width).to(device)
+    back_model.load_state_dict(restored.params)
+    back_optimizer = make_torch_optimizer(args.optimizer, back_model, args.lr)
+    back_optimizer.load_state_dict(fmp.optim.to_torch_state_dict(restored.opt_state, back_optimizer))
     tracker, same = back.state_dict()["_growth_tracker"], back.state_dict() == scaler.state_dict()
     print(
         f"GradScaler loaded from fmp's scaler: scale {back.get_scale():g}, growth tracker {tracker}, "
         f"equal to the torch.amp run's: {same}"
     )
-    if not (identical and difference <= tolerance and reloaded and same):
+    ours, theirs = back_optimizer.state_dict()["state"], optimizer.state_dict()["state"]
+    same_keys = ours.keys() == theirs.keys() and all(ours[i].keys() == theirs[i].keys() for i in ours)
+    state_difference = max(float((ours[i][k] - theirs[i][k]).abs().max()) for i in ours for k in ours[i])
+    print(
+        f"torch.optim.{type(optimizer).__name__} loaded from fmp's optimizer state: max |difference| from the "
+        f"torch.amp run's {state_difference:.3g}, tolerance {tolerance:g}"
+    )
+    if not (identical and difference <= tolerance and reloaded and same and same_keys):
+        raise SystemExit("a claim above does not hold")
+    if state_difference > tolerance:
         raise SystemExit("a claim above does not hold")
 
 

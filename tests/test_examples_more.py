@@ -102,6 +102,11 @@ def test_resume_from_torch_amp_follows_its_scale_and_round_trips(optimizer: str,
         assert 0.0 < difference < 0.1 * moved
     assert "bit for bit: True" in out
     assert "scale 1024, growth tracker 1, equal to the torch.amp run's: True" in out
+    # Back to torch.optim: its state equals the torch.amp run's, bit for bit where the runs are.
+    state_difference = number(
+        r"loaded from fmp's optimizer state: max \|difference\| from the torch.amp run's (\S+),", out
+    )
+    assert state_difference == 0.0 if rules != "none" else state_difference < 0.1 * moved
     # The state the example saved loads here too, with torch's safe loader.
     with torch.serialization.safe_globals(fmp.checkpoint_classes()):
         state = torch.load(tmp_path / "fmp_state.pt", weights_only=True)
