@@ -18,8 +18,11 @@ from typing import TypeVar
 
 import torch
 
+from fmp._checks import check_bool
 from fmp.fused import fused_unscale_and_adjust
 from fmp.fused import fused_unscale_clip_and_adjust
+from fmp.fused import unscale_and_adjust
+from fmp.fused import unscale_clip_and_adjust
 from fmp.loss_scale import LossScale
 from fmp.tree import _ROW_LENGTH
 from fmp.tree import check_finite_flag
@@ -125,17 +128,22 @@ class GradientBuffer:
     """
 
     def __init__(
-        self, params: tuple[torch.Tensor, ...], views: tuple[torch.Tensor, ...], buffers: tuple[torch.Tensor, ...]
+        self,
+        params: tuple[torch.Tensor, ...],
+        views: tuple[torch.Tensor, ...],
+        buffers: tuple[torch.Tensor, ...],
+        compiled: bool,
     ) -> None:
         """Wraps what `attach` built; call `attach` instead."""
         self._params = params
         self._views = views
         self._buffers = buffers
+        self._compiled = compiled
         self._view_pointers = tuple(view.data_ptr() for view in views)
         self._versions_at_unscale: tuple[int, ...] | None = None
 
     @classmethod
-    def attach(cls, params: Iterable[torch.Tensor]) -> GradientBuffer:
+    def attach(cls, params: Iterable[torch.Tensor], *, compiled: bool = True) -> GradientBuffer:
         """Allocates the buffers and makes each parameter's `.grad` a view into them.
 
         Parameters are grouped by dtype, one buffer per group in order of first appearance, and
@@ -145,15 +153,21 @@ class GradientBuffer:
         Args:
             params: Leaf tensors on one device that require grad, each listed once (e.g.
                 `model.parameters()`).
+            compiled: Whether `unscale_` and `unscale_and_clip_` run `torch.compile`d (a C++
+                compiler on CPU, seconds of compiling on first use, one pass per buffer) or
+                eagerly (`unscale_and_adjust`: no compiler, several passes); the results are
+                bit for bit the same.
 
         Returns:
             The buffer handle.
 
         Raises:
-            TypeError: If an entry is not a tensor, or is a tensor subclass (such as a DTensor).
+            TypeError: If an entry is not a tensor, or is a tensor subclass (such as a DTensor),
+                or `compiled` is not a bool.
             ValueError: If `params` is empty or spans several devices, or an entry is sparse or has
                 a sparse gradient, does not require grad, is not a leaf, or is listed twice.
         """
+        check_bool("compiled", compiled)
         first_index: dict[int, int] = {}
         checked = [_check_param(i, p, first_index) for i, p in enumerate(params)]
         if not checked:
@@ -182,7 +196,7 @@ class GradientBuffer:
                     checked[i].grad = view
                     views[i] = view
                 buffers.append(buffer)
-        return cls(tuple(checked), tuple(views[i] for i in range(len(checked))), tuple(buffers))
+        return cls(tuple(checked), tuple(views[i] for i in range(len(checked))), tuple(buffers), compiled)
 
     def flat(self) -> tuple[torch.Tensor, ...]:
         """The buffers, one 1-D tensor per dtype, after checking each `.grad` is still its view.
@@ -253,7 +267,8 @@ class GradientBuffer:
                 another device than the gradients.
         """
         buffers = self._unscalable_buffers()
-        unscaled, grads_finite, new_scaler = fused_unscale_and_adjust(scaler, buffers, donate=True)
+        unscale = fused_unscale_and_adjust if self._compiled else unscale_and_adjust
+        unscaled, grads_finite, new_scaler = unscale(scaler, buffers, donate=True)
         self._write_back(buffers, unscaled)
         return grads_finite, new_scaler
 
@@ -279,9 +294,8 @@ class GradientBuffer:
                 real number.
         """
         buffers = self._unscalable_buffers()
-        clipped, grads_finite, grad_norm, new_scaler = fused_unscale_clip_and_adjust(
-            scaler, buffers, max_norm, donate=True
-        )
+        unscale_and_clip = fused_unscale_clip_and_adjust if self._compiled else unscale_clip_and_adjust
+        clipped, grads_finite, grad_norm, new_scaler = unscale_and_clip(scaler, buffers, max_norm, donate=True)
         self._write_back(buffers, clipped)
         return grads_finite, grad_norm, new_scaler
 

@@ -186,21 +186,31 @@ def test_a_parameter_listed_twice_is_named_and_nothing_is_attached() -> None:
     assert shared.grad is None
 
 
+def refuse_to_compile(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("torch.compile was called")
+
+
 @pytest.mark.compiled
-@pytest.mark.parametrize("fallback", [False, True], ids=["compiled", "eager-fallback"])
-def test_a_training_loop_matches_grad_scaler_with_fused_adamw_bit_for_bit(fallback: bool) -> None:
+@pytest.mark.parametrize("mode", ["compiled", "eager-fallback", "not-compiled"])
+def test_a_training_loop_matches_grad_scaler_with_fused_adamw_bit_for_bit(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """torch.amp (unscale_, step, update) against GradientBuffer.unscale_ with found_inf, skips included.
 
     Both sides drive the same fused AdamW; on fmp's side `step` has it skip on the device through
-    `found_inf`, as GradScaler does. With `fallback` the compiled unscale runs eagerly, as past
-    Dynamo's recompile limit, and must still write in place.
+    `found_inf`, as GradScaler does. With "eager-fallback" the compiled unscale runs eagerly, as
+    past Dynamo's recompile limit, and must still write in place; "not-compiled" attaches with
+    `compiled=False`, which never calls torch.compile (no C++ compiler needed).
     """
     torch._dynamo.reset()
+    fallback = mode == "eager-fallback"
+    if mode == "not-compiled":
+        monkeypatch.setattr(torch, "compile", refuse_to_compile)
     model, twin = make_model(), make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     reference_optimizer = torch.optim.AdamW(twin.parameters(), lr=1e-2, fused=True)
     grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
-    buffer = fmp.GradientBuffer.attach(model.parameters())
+    buffer = fmp.GradientBuffer.attach(model.parameters(), compiled=mode != "not-compiled")
     scaler = fmp.DynamicLossScale.create(2.0**10, growth_interval=3)
     gen = torch.Generator().manual_seed(1)
     skipped = 0
@@ -345,3 +355,8 @@ def test_step_names_a_wrong_finite_flag() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), fused=True)
     with pytest.raises(ValueError, match=r"grads_finite must be a 0-dim bool tensor"):
         buffer.step(optimizer, torch.tensor([True]))
+
+
+def test_compiled_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="compiled must be a bool, got int"):
+        fmp.GradientBuffer.attach([torch.zeros(2, requires_grad=True)], compiled=1)  # type: ignore[arg-type]

@@ -140,11 +140,20 @@ def test_fused_form_clips_in_place_as_the_eager_one_does_and_compiles_at_most_tw
     assert counters["stats"]["unique_graphs"] == 2
 
 
+def refuse_to_compile(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("torch.compile was called")
+
+
 @pytest.mark.compiled
-def test_gradient_buffer_unscales_and_clips_as_grad_scaler_and_clip_grad_norm_() -> None:
+@pytest.mark.parametrize("compiled", [True, False])
+def test_gradient_buffer_unscales_and_clips_as_grad_scaler_and_clip_grad_norm_(
+    compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not compiled:
+        monkeypatch.setattr(torch, "compile", refuse_to_compile)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
-    grads = fmp.GradientBuffer.attach(model.parameters())
+    grads = fmp.GradientBuffer.attach(model.parameters(), compiled=compiled)
     x = torch.randn(5, 6) * 30
     scaler = fmp.DynamicLossScale.create(SCALE)
     scaler.scale(model(x).square().mean()).backward()
