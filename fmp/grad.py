@@ -153,7 +153,7 @@ def _module_parameters_read(loss: torch.Tensor) -> list[torch.nn.Parameter]:
     return found
 
 
-def _check_untracked(loss: Any) -> None:
+def _check_reads_no_module_parameters(loss: Any) -> None:
     """Raises if the loss reads a module's own `nn.Parameter`s, which get no gradient from the step.
 
     Only a loss that autograd tracks is searched, so the usual step pays nothing, and other
@@ -268,7 +268,7 @@ def mixed_precision_grad(
 
     if not isinstance(scaler, tuple):
         scaled_grads, (loss, aux) = grad_of_loss(0)
-        _check_untracked(loss)
+        _check_reads_no_module_parameters(loss)
         grads = scaler.unscale(scaled_grads)
         grads_finite = all_finite(grads)
         return Gradients(grads, grads_finite, loss, aux, grads_finite)
@@ -279,7 +279,7 @@ def mixed_precision_grad(
     for index, s in enumerate(scalers):
         scaled_grads, (loss, aux) = grad_of_loss(index)
         per_loss.append(s.unscale(scaled_grads))
-    _check_untracked(loss)
+    _check_reads_no_module_parameters(loss)
     grads = _tree_sum(per_loss)
     # The sum is non-finite whenever a part is, and also when finite parts overflow on adding;
     # then no loss is to blame alone and every scale backs off.
