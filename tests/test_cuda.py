@@ -66,7 +66,7 @@ def test_eager_step_never_syncs_with_the_host(optimizer_name: str) -> None:
     run_without_syncs(step, state, steps=6)
 
 
-def test_eager_step_with_accumulation_two_losses_and_a_schedule_never_syncs() -> None:
+def test_eager_step_with_accumulation_two_losses_a_schedule_and_the_norm_never_syncs() -> None:
     def two_losses(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> tuple[Any, Any]:
         return mlp_loss(params, x, y), sum(p.square().sum() for p in params.values())
 
@@ -74,8 +74,9 @@ def test_eager_step_with_accumulation_two_losses_and_a_schedule_never_syncs() ->
     params = pytree.tree_map(lambda t: t.to(CUDA), mlp_params())
     scalers = (fmp.DynamicLossScale.create(init_scale=2.0**10, growth_interval=2), fmp.StaticLossScale.create(4.0))
     state = fmp.TrainState.create(params, optimizer, scalers, accumulation_steps=2)
-    step = functools.partial(fmp.train_step, two_losses, policy=FP16, optimizer=optimizer)
-    state, _ = step(state, *next(cuda_batches(1, 0)))
+    step = functools.partial(fmp.train_step, two_losses, policy=FP16, optimizer=optimizer, grad_norm=True)
+    state, info = step(state, *next(cuda_batches(1, 0)))
+    assert info.grad_norm.device.type == "cuda"
     state = run_without_syncs(step, state, steps=6)
     assert int(state.counts.applied) + int(state.counts.skipped) == 3
     assert {t.device.type for t in pytree.tree_leaves(state)} == {"cuda"}
