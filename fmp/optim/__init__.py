@@ -9,6 +9,7 @@ from fmp.optim.adam import adamw
 from fmp.optim.adapter import from_gradient_transformation
 from fmp.optim.clip import clip_by_global_norm
 from fmp.optim.clip import global_norm
+from fmp.optim.partition import partition
 from fmp.optim.sgd import SgdState
 from fmp.optim.sgd import sgd
 from fmp.optim.torch_state import from_torch_state_dict
@@ -25,6 +26,7 @@ __all__ = [
     "from_gradient_transformation",
     "from_torch_state_dict",
     "global_norm",
+    "partition",
     "schedule",
     "sgd",
     "to_torch_state_dict",

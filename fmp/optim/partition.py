@@ -1,0 +1,123 @@
+"""Param groups: one optimizer per group of parameters, as torch.optim's param groups and optax's multi_transform."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from fmp.optim._base import Optimizer
+
+__all__ = ["partition"]
+
+LabelFn = Callable[[str, torch.Tensor], str]
+"""`label(name, param) -> group`, `name` the parameter's key ("0.weight" in a flat dict)."""
+
+
+def _name(path: tuple[Any, ...]) -> str:
+    """A parameter's name from its key path: dict keys, sequence indices and attributes joined by dots."""
+    parts = []
+    for key in path:
+        if isinstance(key, pytree.MappingKey):
+            parts.append(str(key.key))
+        elif isinstance(key, pytree.SequenceKey):
+            parts.append(str(key.idx))
+        elif isinstance(key, pytree.GetAttrKey):
+            parts.append(key.name)
+        else:
+            parts.append(str(key))
+    return ".".join(parts)
+
+
+def _groups(params: Any, label: LabelFn, optimizers: Mapping[str, Optimizer]) -> dict[str, list[int]]:
+    """Each group's leaf indices, in the params' order; every group of `optimizers` listed, empty or not."""
+    groups: dict[str, list[int]] = {group: [] for group in optimizers}
+    seen: set[str] = set()
+    for index, (path, param) in enumerate(pytree.tree_flatten_with_path(params)[0]):
+        name = _name(path)
+        if name in seen:
+            raise ValueError(f"two parameters are both named {name!r} (params{pytree.keystr(path)} and another)")
+        seen.add(name)
+        group = label(name, param)
+        if not isinstance(group, str):
+            raise TypeError(f"label({name!r}, ...) must return a group name (str), got {type(group).__name__}")
+        if group not in groups:
+            raise ValueError(f"label({name!r}, ...) returned {group!r}, which is not a group of {sorted(optimizers)}")
+        groups[group].append(index)
+    return groups
+
+
+def partition(optimizers: Mapping[str, Optimizer], label: LabelFn) -> Optimizer:
+    """One optimizer per group of parameters: torch.optim's param groups, optax's `multi_transform`.
+
+    `label(name, param)` puts each parameter in a group; that group's optimizer updates it and
+    keeps its state. The usual use is AdamW without weight decay on biases and norms:
+
+        decay = fmp.optim.adamw(1e-3, weight_decay=0.1)
+        no_decay = fmp.optim.adamw(1e-3, weight_decay=0.0)
+        optimizer = fmp.optim.partition(
+            {"decay": decay, "no_decay": no_decay}, lambda name, p: "decay" if p.dim() >= 2 else "no_decay"
+        )
+
+    Each group's optimizer sees its parameters as a flat dict by name, so its state is keyed by
+    the same names; the state is a dict of the groups' states. The groups are decided from the
+    names and shapes alone (nothing is read on the host), once per trace when compiled. Wrap the
+    result in `clip_by_global_norm` to clip by the norm over all groups, as `clip_grad_norm_` over
+    a model's parameters does.
+
+    Args:
+        optimizers: The optimizer of each group, by group name (at least one).
+        label: `label(name, param) -> group name`; `name` is the parameter's key in a flat dict
+            (`"0.weight"`), its key path joined by dots in a nested tree.
+
+    Returns:
+        An optimizer whose state is `{group: that group's optimizer state}`.
+
+    Raises:
+        TypeError, ValueError: If `optimizers` is empty or holds something other than fmp
+            optimizers, or `label` is not callable; at `init` and `update`, naming the parameter
+            whose label is not a str or not a group.
+    """
+    if not isinstance(optimizers, Mapping) or not optimizers:
+        raise ValueError("partition needs a non-empty dict of fmp optimizers by group name")
+    for group, optimizer in optimizers.items():
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"optimizers[{group!r}] must be an fmp.optim.Optimizer, got {type(optimizer).__name__}")
+    if not callable(label):
+        raise TypeError(f"label must be a function label(name, param) -> group, got {type(label).__name__}")
+    optimizers = dict(optimizers)
+
+    def members(tree_leaves: list[Any], names: list[str], indices: list[int]) -> dict[str, Any]:
+        return {names[i]: tree_leaves[i] for i in indices}
+
+    def names_of(params: Any) -> list[str]:
+        return [_name(path) for path, _ in pytree.tree_flatten_with_path(params)[0]]
+
+    def init(params: Any) -> dict[str, Any]:
+        groups, names, leaves = _groups(params, label, optimizers), names_of(params), pytree.tree_leaves(params)
+        return {group: optimizers[group].init(members(leaves, names, indices)) for group, indices in groups.items()}
+
+    def update(grads: Any, state: Any, params: Any) -> tuple[Any, dict[str, Any]]:
+        if not (isinstance(state, dict) and state.keys() == optimizers.keys()):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise TypeError(
+                f"partition got optimizer state {got}, expected a dict of the groups {sorted(optimizers)}: "
+                f"was it created by another optimizer's init?"
+            )
+        groups, names = _groups(params, label, optimizers), names_of(params)
+        param_leaves, spec = pytree.tree_flatten(params)
+        grad_leaves = spec.flatten_up_to(grads)
+        new_leaves: list[Any] = list(param_leaves)
+        new_state = {}
+        for group, indices in groups.items():
+            new_params, new_state[group] = optimizers[group].update(
+                members(grad_leaves, names, indices), state[group], members(param_leaves, names, indices)
+            )
+            for index in indices:
+                new_leaves[index] = new_params[names[index]]
+        return pytree.tree_unflatten(new_leaves, spec), new_state
+
+    return Optimizer(init, update)

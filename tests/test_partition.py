@@ -1,0 +1,108 @@
+"""fmp.optim.partition against torch.optim's param groups."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import assert_trees_bitwise_equal
+from conftest import bits
+
+import fmp
+
+
+def decays(name: str, param: torch.Tensor) -> str:
+    return "decay" if param.dim() >= 2 else "no_decay"
+
+
+def make_model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 1))
+
+
+def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 6, generator=gen), torch.randn(4, 1, generator=gen)) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_groups_match_torch_param_groups_bit_for_bit(kind: str) -> None:
+    model, reference = make_model(), make_model()
+    if kind == "adamw":  # no weight decay on biases and norms, the usual transformer recipe
+        optimizer = fmp.optim.partition(
+            {"decay": fmp.optim.adamw(1e-2, weight_decay=0.1), "no_decay": fmp.optim.adamw(1e-2, weight_decay=0.0)},
+            decays,
+        )
+        groups = [
+            {"params": [p for p in reference.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in reference.parameters() if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        torch_optimizer: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=1e-2)
+    else:  # another learning rate and momentum for the last layer
+        optimizer = fmp.optim.partition(
+            {"body": fmp.optim.sgd(0.1, 0.9), "head": fmp.optim.sgd(0.01)},
+            lambda name, p: "head" if name.startswith("2.") else "body",
+        )
+        head = [p for name, p in reference.named_parameters() if name.startswith("2.")]
+        body = [p for name, p in reference.named_parameters() if not name.startswith("2.")]
+        torch_optimizer = torch.optim.SGD([{"params": body, "momentum": 0.9}, {"params": head, "lr": 0.01}], lr=0.1)
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)), y)
+
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    state = fmp.TrainState.create(params, optimizer, fmp.NoOpLossScale())
+    for x, y in batches(3):
+        state, _ = fmp.train_step(loss_fn, state, x, y, policy=fmp.Policy(), optimizer=optimizer)
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        torch_optimizer.step()
+        torch_optimizer.zero_grad()
+    for name, p in reference.named_parameters():
+        assert torch.equal(bits(state.params[name]), bits(p.detach())), name
+    assert sorted(state.opt_state) == sorted(optimizer.init(params))
+
+
+def test_a_skipped_step_keeps_every_groups_state_and_a_clip_spans_the_groups() -> None:
+    model = make_model()
+    groups = {"decay": fmp.optim.adamw(1e-2, weight_decay=0.1), "no_decay": fmp.optim.adamw(1e-2, weight_decay=0.0)}
+    optimizer = fmp.optim.clip_by_global_norm(fmp.optim.partition(groups, decays), 0.1)
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)), y)
+
+    state = fmp.TrainState.create(
+        {n: p.detach().clone() for n, p in model.named_parameters()}, optimizer, fmp.DynamicLossScale.create()
+    )
+    (x, y), (x2, y2) = batches(2)
+    state, info = fmp.train_step(loss_fn, state, x, y, policy=fmp.Policy(), optimizer=optimizer, grad_norm=True)
+    assert bool(info.applied) and float(info.grad_norm) > 0.1  # the clip binds, over both groups
+    x2[0, 0] = float("nan")
+    skipped, info = fmp.train_step(loss_fn, state, x2, y2, policy=fmp.Policy(), optimizer=optimizer)
+    assert not bool(info.applied)
+    assert_trees_bitwise_equal((skipped.params, skipped.opt_state), (state.params, state.opt_state))
+    assert int(state.opt_state["decay"].step) == int(state.opt_state["no_decay"].step) == 1
+
+
+def test_bad_groups_are_named() -> None:
+    sgd = fmp.optim.sgd(0.1)
+    params: dict[str, Any] = {"w": torch.zeros(2, 2), "b": torch.zeros(2)}
+    with pytest.raises(ValueError, match="non-empty dict of fmp optimizers"):
+        fmp.optim.partition({}, decays)
+    with pytest.raises(TypeError, match=r"optimizers\['a'\] must be an fmp\.optim\.Optimizer, got SGD"):
+        fmp.optim.partition({"a": torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)}, decays)  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="label must be a function"):
+        fmp.optim.partition({"decay": sgd}, "decay")  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"label\('b', \.\.\.\) returned 'no_decay', which is not a group of \['decay'\]"
+    ):
+        fmp.optim.partition({"decay": sgd}, decays).init(params)
+    with pytest.raises(TypeError, match=r"label\('w', \.\.\.\) must return a group name \(str\), got int"):
+        fmp.optim.partition({"decay": sgd}, lambda name, p: 0).init(params)  # type: ignore[arg-type,return-value]
+    with pytest.raises(ValueError, match=r"two parameters are both named 'a\.b'"):
+        fmp.optim.partition({"decay": sgd}, lambda name, p: "decay").init(
+            {"a.b": torch.zeros(1), "a": {"b": torch.zeros(1)}}
+        )
+    optimizer = fmp.optim.partition({"decay": sgd, "no_decay": sgd}, decays)
+    with pytest.raises(TypeError, match=r"partition got optimizer state tuple, expected a dict of the groups"):
+        optimizer.update(params, (), params)
