@@ -63,7 +63,7 @@ def adamw_checkpoint() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
 
 def test_converter_names_what_does_not_match() -> None:
     saved, params = adamw_checkpoint()
-    with pytest.raises(ValueError, match=r"not a torch.optim.SGD state_dict: its param group lacks \['dampening'"):
+    with pytest.raises(ValueError, match=r"not a torch.optim.SGD state_dict: its param group 0 lacks \['dampening'"):
         fmp.optim.from_torch_state_dict("sgd", saved, params, 2)
     with pytest.raises(ValueError, match="the state_dict holds 6 parameters, params 5"):
         fmp.optim.from_torch_state_dict("adamw", saved, dict(list(params.items())[:5]), 2)
@@ -77,8 +77,10 @@ def test_converter_names_what_does_not_match() -> None:
     ):
         fmp.optim.from_torch_state_dict("adamw", saved, swapped, 2)
     two_groups = {**saved, "param_groups": saved["param_groups"] * 2}
-    with pytest.raises(ValueError, match="one set of hyperparameters; the state_dict has 2 param groups"):
+    with pytest.raises(ValueError, match="the state_dict holds 12 parameters, params 6"):
         fmp.optim.from_torch_state_dict("adamw", two_groups, params, 2)
+    with pytest.raises(TypeError, match=r"params\['0.weight'\] is a list; params must be a flat dict of tensors"):
+        fmp.optim.from_torch_state_dict("adamw", saved, {**params, "0.weight": [1.0]}, 2)
     amsgrad = {**saved, "param_groups": [{**saved["param_groups"][0], "amsgrad": True}]}
     with pytest.raises(ValueError, match="amsgrad=True"):
         fmp.optim.from_torch_state_dict("adamw", amsgrad, params, 2)
@@ -106,7 +108,7 @@ def test_stateless_and_unstepped_optimizers_convert_to_a_fresh_state() -> None:
     unstepped = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
     optimizer, state = fmp.optim.from_torch_state_dict("adamw", unstepped.state_dict(), params, 0)
     assert int(state.step) == 0 and all(not m.any() for m in state.exp_avg.values())
-    with pytest.raises(ValueError, match="holds no optimizer state, yet 3 steps were applied"):
+    with pytest.raises(ValueError, match=r"holds no optimizer state for \[.*\], yet 3 steps were applied"):
         fmp.optim.from_torch_state_dict("adamw", unstepped.state_dict(), params, 3)
 
 
@@ -151,7 +153,7 @@ def test_the_way_back_names_what_does_not_match() -> None:
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     with pytest.raises(TypeError, match=r"opt_state is a AdamState, which is not the state of a torch\.optim\.SGD"):
         fmp.optim.to_torch_state_dict(adam_state, sgd)
-    with pytest.raises(ValueError, match=r"torch_optimizer has momentum=0\.9 but opt_state keeps none"):
+    with pytest.raises(ValueError, match=r"torch_optimizer's param group 0 has momentum=0\.9 but opt_state keeps none"):
         fmp.optim.to_torch_state_dict(fmp.optim.sgd(0.1).init(params), sgd)
     with pytest.raises(TypeError, match=r"torch_optimizer must be a torch\.optim\.SGD, Adam or AdamW, got RMSprop"):
         fmp.optim.to_torch_state_dict(adam_state, torch.optim.RMSprop(model.parameters()))
@@ -162,7 +164,7 @@ def test_the_way_back_names_what_does_not_match() -> None:
     with pytest.raises(ValueError, match=r"parameter 0: torch_optimizer's is torch.float32\[1\], opt_state's"):
         fmp.optim.to_torch_state_dict(adam_state, swapped)
     two_groups = torch.optim.AdamW([{"params": [p]} for p in model.parameters()])
-    with pytest.raises(ValueError, match="torch_optimizer has 6 param groups"):
+    with pytest.raises(ValueError, match="opt_state holds 1 groups' state, torch_optimizer has 6 param groups"):
         fmp.optim.to_torch_state_dict(adam_state, two_groups)
     assert fmp.optim.to_torch_state_dict(adam_state, adamw)["state"] == {}  # before the first step
 
@@ -173,3 +175,48 @@ def test_state_without_applied_steps_is_refused() -> None:
         params = {name: p.detach().clone() for name, p in model.named_parameters()}
         with pytest.raises(ValueError, match="holds optimizer state, so torch applied steps, yet applied_steps is 0"):
             fmp.optim.from_torch_state_dict(kind, optimizer.state_dict(), params, 0)
+
+
+def test_several_param_groups_become_a_partition_and_continue_bit_for_bit() -> None:
+    torch.manual_seed(0)
+    model = make_model()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(4, 16, generator=gen) for _ in range(4)]
+    for x in batches[:3]:
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    # The params in the order the optimizer was given them: group by group.
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    params = {by_id[id(p)]: p.detach().clone() for group in optimizer.param_groups for p in group["params"]}
+    fmp_optimizer, opt_state = fmp.optim.from_torch_state_dict("adamw", optimizer.state_dict(), params, 3)
+    assert sorted(opt_state) == ["group0", "group1"] and sorted(opt_state["group1"].exp_avg) == [
+        "0.bias",
+        "2.bias",
+        "3.bias",
+    ]
+    state = fmp.TrainState.create(params, fmp_optimizer, fmp.NoOpLossScale())._replace(opt_state=opt_state)
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, params, (x,)).square().mean()
+
+    model(batches[-1]).square().mean().backward()
+    optimizer.step()
+    state, _ = fmp.train_step(loss_fn, state, batches[-1], policy=fmp.Policy(), optimizer=fmp_optimizer)
+    for name, p in model.named_parameters():
+        assert torch.equal(bits(state.params[name]), bits(p.detach())), name
+    # And back: a torch optimizer with the same groups loads the partition's state and goes on.
+    back_model = make_model()
+    back_model.load_state_dict(dict(model.state_dict()))
+    back_decay = [p for p in back_model.parameters() if p.dim() >= 2]
+    back_no_decay = [p for p in back_model.parameters() if p.dim() < 2]
+    back = torch.optim.AdamW([{"params": back_decay}, {"params": back_no_decay, "weight_decay": 0.0}], lr=1e-2)
+    back.load_state_dict(fmp.optim.to_torch_state_dict(state.opt_state, back))
+    for states in (back.state_dict()["state"], optimizer.state_dict()["state"]):
+        assert len(states) == 6 and all(float(entry["step"]) == 4.0 for entry in states.values())
+    for key, entry in back.state_dict()["state"].items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(entry[name], optimizer.state_dict()["state"][key][name]), (key, name)

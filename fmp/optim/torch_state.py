@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,6 +14,7 @@ from fmp.optim._base import Optimizer
 from fmp.optim.adam import AdamState
 from fmp.optim.adam import adam
 from fmp.optim.adam import adamw
+from fmp.optim.partition import partition
 from fmp.optim.sgd import SgdState
 from fmp.optim.sgd import sgd
 
@@ -23,20 +25,24 @@ _TORCH_NAMES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
 _KERNEL_SETTINGS = {"maximize", "foreach", "capturable", "differentiable", "fused", "initial_lr"}
 
 
-def _check_group(kind: str, state_dict: Any, count: int) -> dict[str, Any]:
-    """The one param group of a `torch.optim` state_dict of `kind` for `count` parameters, checked."""
+def _check_groups(kind: str, state_dict: Any, count: int) -> list[dict[str, Any]]:
+    """The param groups of a `torch.optim` state_dict of `kind` for `count` parameters, checked."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a torch.optim state_dict (a dict), got {type(state_dict).__name__}")
     groups, states = state_dict.get("param_groups"), state_dict.get("state")
-    if not isinstance(groups, list) or not isinstance(states, Mapping):
+    if not isinstance(groups, list) or not groups or not isinstance(states, Mapping):
         raise ValueError(
             f"not a torch.optim state_dict: keys {sorted(map(str, state_dict))}, expected 'state' and 'param_groups'"
         )
-    if len(groups) != 1:
-        raise ValueError(
-            f"fmp's optimizers take one set of hyperparameters; the state_dict has {len(groups)} param groups"
-        )
-    group: dict[str, Any] = dict(groups[0])
+    checked = [_check_group(kind, dict(group), index) for index, group in enumerate(groups)]
+    total = sum(len(group["params"]) for group in checked)
+    if total != count:
+        raise ValueError(f"the state_dict holds {total} parameters, params {count}")
+    return checked
+
+
+def _check_group(kind: str, group: dict[str, Any], index: int) -> dict[str, Any]:
+    where = f"param group {index}"
     is_adam = kind != "sgd"
     required = {"params", "lr", "weight_decay"} | (
         {"betas", "eps"} if is_adam else {"momentum", "dampening", "nesterov"}
@@ -45,16 +51,14 @@ def _check_group(kind: str, state_dict: Any, count: int) -> dict[str, Any]:
     missing, unknown = sorted(required - set(group)), sorted(set(group) - known)
     if missing or unknown:
         raise ValueError(
-            f"not a torch.optim.{_TORCH_NAMES[kind]} state_dict: its param group lacks {missing} "
+            f"not a torch.optim.{_TORCH_NAMES[kind]} state_dict: its {where} lacks {missing} "
             f"and has unknown settings {unknown}"
         )
-    if len(group["params"]) != count:
-        raise ValueError(f"the state_dict holds {len(group['params'])} parameters, params {count}")
     if group.get("maximize"):
-        raise ValueError("the state_dict's optimizer has maximize=True, which fmp's optimizers do not offer")
+        raise ValueError(f"the state_dict's {where} has maximize=True, which fmp's optimizers do not offer")
     if is_adam:
         if group.get("amsgrad"):
-            raise ValueError("the state_dict's Adam uses amsgrad=True, which fmp.optim.adam and adamw do not offer")
+            raise ValueError(f"the state_dict's {where} uses amsgrad=True, which fmp.optim.adam and adamw do not offer")
         # torch >= 2.6 records it; older AdamW state_dicts lack the key and are taken at their kind's word.
         decoupled = group.get("decoupled_weight_decay", kind == "adamw")
         if decoupled != (kind == "adamw"):
@@ -98,7 +102,7 @@ def from_torch_state_dict(
     With them a run checkpointed under torch.amp goes on under fmp (the loss scale comes over with
     `fmp.DynamicLossScale.from_state_dict`). fmp's optimizers are torch.optim's arithmetic op for
     op, so in float32 the continued run is bit-identical to torch's (tested). The hyperparameters
-    come from the state_dict's param group; a learning-rate scheduler's state does not (give the
+    come from the state_dict's param groups; a learning-rate scheduler's state does not (give the
     returned optimizer's settings a schedule yourself if the run used one). A tensor `lr` is
     taken as a float: torch's Adam divides a tensor lr by the bias correction in float32 and fmp
     in float64, so such runs agree to about an ulp a step rather than bit for bit.
@@ -106,9 +110,11 @@ def from_torch_state_dict(
     Args:
         kind: "adamw", "adam" or "sgd": the `torch.optim` class that saved `state_dict` (its
             state_dict does not say, and torch before 2.6 saves Adam and AdamW alike).
-        state_dict: `optimizer.state_dict()` of that optimizer, built on the parameters in the
-            order of `params` (as `model.parameters()` lists them) in one param group.
-        params: The parameters by name, in the model's order, on the device the state goes to.
+        state_dict: `optimizer.state_dict()` of that optimizer. With several param groups the
+            result is a `partition` of one optimizer per group, named "group0", "group1", ...
+        params: The parameters by name, a flat dict, in the order the torch optimizer was given
+            them (group by group: `model.parameters()` for one group), on the device the state
+            goes to.
         applied_steps: Optimizer steps torch applied, skipped ones not counted. torch.optim.SGD keeps
             no count of its own and fmp's `SgdState` does (its first step seeds the momentum
             buffers, a schedule reads it); Adam's own count in `state_dict` must equal it.
@@ -117,7 +123,7 @@ def from_torch_state_dict(
         `(optimizer, opt_state)`, for `TrainState.create(params, optimizer, scaler)._replace(opt_state=opt_state)`.
 
     Raises:
-        TypeError, ValueError: Naming what does not match: the kind, the param groups, the number,
+        TypeError, ValueError: Naming what does not match: the kind, a param group, the number,
             shapes or dtypes of the parameters, a state entry, a step count, or a setting fmp's
             optimizers do not offer (`maximize`, `amsgrad`).
     """
@@ -125,18 +131,49 @@ def from_torch_state_dict(
         raise ValueError(f"kind must be one of {sorted(_TORCH_NAMES)}, got {kind!r}")
     if not isinstance(params, Mapping):
         raise TypeError(f"params must be a dict of tensors by name, got {type(params).__name__}")
+    for name, param in params.items():
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(f"params[{name!r}] is a {type(param).__name__}; params must be a flat dict of tensors")
     applied_steps = check_int("applied_steps", applied_steps, 0, torch.iinfo(torch.int32).max)
-    group = _check_group(kind, state_dict, len(params))
-    optimizer = _optimizer(kind, group)
+    groups = _check_groups(kind, state_dict, len(params))
+    # torch numbers the parameters group by group, in the order it was given them.
+    names = list(params)
+    starts = [0, *itertools.accumulate(len(group["params"]) for group in groups)]
+    optimizers, states, labels = {}, {}, {}
+    for index, group in enumerate(groups):
+        label = f"group{index}" if len(groups) > 1 else "all"
+        members = names[starts[index] : starts[index + 1]]
+        entries = [state_dict["state"].get(key) for key in group["params"]]
+        optimizers[label] = _optimizer(kind, group)
+        states[label] = _group_state(
+            kind, optimizers[label], group, {n: params[n] for n in members}, entries, applied_steps
+        )
+        labels.update(dict.fromkeys(members, label))
+    if len(groups) == 1:
+        return optimizers["all"], states["all"]
+    return partition(optimizers, lambda name, param: labels[name]), states
+
+
+def _group_state(
+    kind: str,
+    optimizer: Optimizer,
+    group: Mapping[str, Any],
+    params: dict[str, torch.Tensor],
+    entries: list[Any],
+    applied_steps: int,
+) -> Any:
+    """One param group's fmp optimizer state from torch's per-parameter `entries` (None where torch has none)."""
     # fmp's init gives the state's structure, dtypes and device; the state_dict fills in the values.
-    fresh = optimizer.init(dict(params))
-    names, entries = list(params), [state_dict["state"].get(index) for index in group["params"]]
+    fresh = optimizer.init(params)
+    names = list(params)
     if kind == "sgd" and not group["momentum"]:
-        return optimizer, fresh  # plain SGD keeps no state, in torch or in fmp
+        return fresh  # plain SGD keeps no state, in torch or in fmp
     if all(entry is None for entry in entries):
         if applied_steps:
-            raise ValueError(f"the state_dict holds no optimizer state, yet {applied_steps} steps were applied")
-        return optimizer, fresh  # torch never stepped: nothing to carry over
+            raise ValueError(
+                f"the state_dict holds no optimizer state for {names}, yet {applied_steps} steps were applied"
+            )
+        return fresh  # torch never stepped: nothing to carry over
     missing = [name for name, entry in zip(names, entries, strict=True) if entry is None]
     if missing:
         raise ValueError(f"the state_dict has state for some parameters but not for {missing}")
@@ -145,7 +182,7 @@ def from_torch_state_dict(
     step = torch.full_like(fresh.step, applied_steps)
     if kind == "sgd":
         momentum = {n: _restored(n, e, "momentum_buffer", params[n]) for n, e in zip(names, entries, strict=True)}
-        return optimizer, SgdState(step, momentum)
+        return SgdState(step, momentum)
     counts = set()
     for name, entry in zip(names, entries, strict=True):
         if not isinstance(entry.get("step"), torch.Tensor | float | int):
@@ -155,24 +192,58 @@ def from_torch_state_dict(
         raise ValueError(f"the state_dict's Adam step counts are {sorted(counts)}, expected {applied_steps} for all")
     exp_avg = {n: _restored(n, e, "exp_avg", params[n]) for n, e in zip(names, entries, strict=True)}
     exp_avg_sq = {n: _restored(n, e, "exp_avg_sq", params[n]) for n, e in zip(names, entries, strict=True)}
-    return optimizer, AdamState(step, exp_avg, exp_avg_sq)
+    return AdamState(step, exp_avg, exp_avg_sq)
 
 
-def _torch_params(torch_optimizer: torch.optim.Optimizer, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The torch optimizer's parameters, checked against fmp's state leaves, one per parameter."""
-    groups = len(torch_optimizer.param_groups)
-    if groups != 1:
-        raise ValueError(f"fmp's optimizers take one set of hyperparameters; torch_optimizer has {groups} param groups")
-    torch_params: list[torch.Tensor] = list(torch_optimizer.param_groups[0]["params"])
+def _check_torch_params(torch_params: list[torch.Tensor], leaves: list[torch.Tensor], where: str) -> None:
+    """Raises unless a torch param group's parameters match fmp's state leaves, one per parameter."""
     if len(torch_params) != len(leaves):
-        raise ValueError(f"opt_state holds {len(leaves)} parameters' state, torch_optimizer {len(torch_params)}")
+        raise ValueError(f"opt_state{where} holds {len(leaves)} parameters' state, torch_optimizer {len(torch_params)}")
     for index, (param, leaf) in enumerate(zip(torch_params, leaves, strict=True)):
         if param.shape != leaf.shape or param.dtype != leaf.dtype:
             raise ValueError(
-                f"parameter {index}: torch_optimizer's is {param.dtype}{list(param.shape)}, "
+                f"parameter {index}{where}: torch_optimizer's is {param.dtype}{list(param.shape)}, "
                 f"opt_state's {leaf.dtype}{list(leaf.shape)}"
             )
-    return torch_params
+
+
+def _torch_group_state(
+    opt_state: Any, torch_optimizer: torch.optim.Optimizer, index: int, first_id: int, where: str
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Torch's per-parameter state of param group `index` (numbered from `first_id`) from one fmp state."""
+    kind = type(torch_optimizer).__name__
+    is_adam = not isinstance(torch_optimizer, torch.optim.SGD)
+    stateless = isinstance(opt_state, tuple) and opt_state == ()  # plain SGD's
+    if is_adam != isinstance(opt_state, AdamState) or not (is_adam or isinstance(opt_state, SgdState) or stateless):
+        raise TypeError(
+            f"opt_state{where} is a {type(opt_state).__name__}, which is not the state of a torch.optim.{kind}"
+        )
+    buffers: dict[str, Any] = {}
+    if isinstance(opt_state, AdamState):
+        buffers = {"exp_avg": opt_state.exp_avg, "exp_avg_sq": opt_state.exp_avg_sq}
+    elif isinstance(opt_state, SgdState) and opt_state.momentum != ():
+        buffers = {"momentum_buffer": opt_state.momentum}
+    group = torch_optimizer.param_groups[index]
+    if not is_adam and bool(group["momentum"]) != bool(buffers):
+        raise ValueError(
+            f"torch_optimizer's param group {index} has momentum={group['momentum']} but opt_state{where} keeps "
+            f"{'momentum buffers' if buffers else 'none'}"
+        )
+    flat = {key: pytree.tree_leaves(tree) for key, tree in buffers.items()}
+    if not flat:
+        return {}
+    torch_params: list[torch.Tensor] = list(group["params"])
+    _check_torch_params(torch_params, next(iter(flat.values())), where)
+    steps = int(opt_state.step)
+    if steps == 0:
+        return {}  # torch keeps no state before its first step
+    state = {}
+    for offset, param in enumerate(torch_params):
+        entry = {key: leaves[offset].to(param.device, copy=True) for key, leaves in flat.items()}
+        if is_adam:
+            entry["step"] = torch.tensor(float(steps))  # torch loads it onto the device where it needs it
+        state[first_id + offset] = entry
+    return state
 
 
 def to_torch_state_dict(opt_state: Any, torch_optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -185,52 +256,34 @@ def to_torch_state_dict(opt_state: Any, torch_optimizer: torch.optim.Optimizer) 
     `torch.amp.GradScaler.load_state_dict(state.scaler.state_dict())` a run moves back to torch.amp.
 
     Note:
-        Reads the step count on the host (a sync), as a checkpoint conversion may.
+        Reads the step counts on the host (a sync), as a checkpoint conversion may.
 
     Args:
         opt_state: The state of `fmp.optim.sgd`, `adam` or `adamw` (`state.opt_state`), for params
-            listed in the order `torch_optimizer` holds them (as `model.parameters()` lists them).
-        torch_optimizer: A `torch.optim.SGD`, `Adam` or `AdamW` with one param group.
+            listed in the order `torch_optimizer` holds them (as `model.parameters()` lists them);
+            or a `partition`'s state, its groups in the order of `torch_optimizer`'s param groups.
+        torch_optimizer: A `torch.optim.SGD`, `Adam` or `AdamW`.
 
     Returns:
         `{"state": ..., "param_groups": ...}` in torch's format, the param groups `torch_optimizer`'s own.
 
     Raises:
         TypeError, ValueError: Naming the mismatch: an optimizer or state of another kind, a
-            momentum one side keeps and the other does not, or parameters that differ in number,
-            shape or dtype.
+            momentum one side keeps and the other does not, another number of groups, or
+            parameters that differ in number, shape or dtype.
     """
     if not isinstance(torch_optimizer, torch.optim.SGD | torch.optim.Adam | torch.optim.AdamW):
         raise TypeError(
             f"torch_optimizer must be a torch.optim.SGD, Adam or AdamW, got {type(torch_optimizer).__name__}"
         )
-    kind = type(torch_optimizer).__name__
-    param_groups = torch_optimizer.state_dict()["param_groups"]
-    is_adam = not isinstance(torch_optimizer, torch.optim.SGD)
-    stateless = isinstance(opt_state, tuple) and opt_state == ()  # plain SGD's
-    if is_adam != isinstance(opt_state, AdamState) or not (is_adam or isinstance(opt_state, SgdState) or stateless):
-        raise TypeError(f"opt_state is a {type(opt_state).__name__}, which is not the state of a torch.optim.{kind}")
-    buffers: dict[str, Any] = {}
-    if isinstance(opt_state, AdamState):
-        buffers = {"exp_avg": opt_state.exp_avg, "exp_avg_sq": opt_state.exp_avg_sq}
-    elif isinstance(opt_state, SgdState) and opt_state.momentum != ():
-        buffers = {"momentum_buffer": opt_state.momentum}
-    if not is_adam and bool(param_groups[0]["momentum"]) != bool(buffers):
-        raise ValueError(
-            f"torch_optimizer has momentum={param_groups[0]['momentum']} but opt_state keeps "
-            f"{'momentum buffers' if buffers else 'none'}"
-        )
-    steps = 0 if stateless else int(opt_state.step)
-    flat = {key: pytree.tree_leaves(tree) for key, tree in buffers.items()}
-    if not flat:
-        return {"state": {}, "param_groups": param_groups}
-    torch_params = _torch_params(torch_optimizer, next(iter(flat.values())))
-    if steps == 0:
-        return {"state": {}, "param_groups": param_groups}  # torch keeps no state before its first step
+    groups = dict(opt_state) if isinstance(opt_state, dict) else {"": opt_state}
+    count = len(torch_optimizer.param_groups)
+    if len(groups) != count:
+        raise ValueError(f"opt_state holds {len(groups)} groups' state, torch_optimizer has {count} param groups")
     state: dict[int, dict[str, torch.Tensor]] = {}
-    for index, param in enumerate(torch_params):
-        entry = {key: leaves[index].to(param.device, copy=True) for key, leaves in flat.items()}
-        if is_adam:
-            entry["step"] = torch.tensor(float(steps))  # torch loads it onto the device where it needs it
-        state[index] = entry
-    return {"state": state, "param_groups": param_groups}
+    first_id = 0
+    for index, (label, group_state) in enumerate(groups.items()):
+        where = f"[{label!r}]" if label else ""
+        state.update(_torch_group_state(group_state, torch_optimizer, index, first_id, where))
+        first_id += len(torch_optimizer.param_groups[index]["params"])
+    return {"state": state, "param_groups": torch_optimizer.state_dict()["param_groups"]}
