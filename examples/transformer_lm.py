@@ -1,6 +1,7 @@
 """A small GPT-style language model trained with fmp: 16-bit compute, dynamic loss scaling, gradient
-accumulation, clipping and a warmup-cosine learning rate, with a progress bar and a plot of loss and
-loss scale per step.
+accumulation, clipping, AdamW with weight decay on the matrices only (two param groups,
+`fmp.optim.partition`) and a warmup-cosine learning rate, with a progress bar (loss, gradient norm,
+loss scale) and a plot of loss and loss scale per step.
 
 The tokens are synthetic: each sequence follows a fixed random permutation of the vocabulary (the
 next token is `perm[token]`), with a few tokens replaced at random, so a model that learns the
@@ -149,7 +150,10 @@ def main() -> None:
 
     # The schedule counts applied steps only: the skipped step does not advance the warmup or the decay.
     lr = fmp.optim.schedule.warmup_cosine(args.lr, warmup_steps=max(args.steps // 10, 1), total_steps=args.steps + 1)
-    optimizer = fmp.optim.clip_by_global_norm(fmp.optim.adamw(lr, weight_decay=0.01), args.clip)
+    # Weight decay on the matrices only, not on biases and norms: two param groups, as GPT recipes have them.
+    groups = {"decay": fmp.optim.adamw(lr, weight_decay=0.1), "no_decay": fmp.optim.adamw(lr, weight_decay=0.0)}
+    decayed = fmp.optim.partition(groups, lambda name, param: "decay" if param.dim() >= 2 else "no_decay")
+    optimizer = fmp.optim.clip_by_global_norm(decayed, args.clip)
     params = {name: p.detach() for name, p in model.named_parameters()}
     scaler = fmp.DynamicLossScale.create(growth_interval=args.growth_interval)
     state = fmp.TrainState.create(params, optimizer, scaler, accumulation_steps=args.accumulate)
