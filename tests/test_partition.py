@@ -106,3 +106,18 @@ def test_bad_groups_are_named() -> None:
     optimizer = fmp.optim.partition({"decay": sgd, "no_decay": sgd}, decays)
     with pytest.raises(TypeError, match=r"partition got optimizer state tuple, expected a dict of the groups"):
         optimizer.update(params, (), params)
+
+
+def test_a_state_saved_with_the_groups_listed_the_other_way_round_steps_on() -> None:
+    model = make_model()
+    decay, no_decay = fmp.optim.adamw(1e-2, weight_decay=0.1), fmp.optim.adamw(1e-2, weight_decay=0.0)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    saved = fmp.optim.partition({"decay": decay, "no_decay": no_decay}, decays).init(params)
+    optimizer = fmp.optim.partition({"no_decay": no_decay, "decay": decay}, decays)
+    state = fmp.TrainState.create(params, optimizer, fmp.NoOpLossScale())._replace(opt_state=saved)
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)), y)
+
+    new_state, info = fmp.train_step(loss_fn, state, *batches(1)[0], policy=fmp.Policy(), optimizer=optimizer)
+    assert bool(info.applied) and list(new_state.opt_state) == ["decay", "no_decay"]

@@ -112,7 +112,8 @@ def partition(optimizers: Mapping[str, Optimizer], label: LabelFn) -> Optimizer:
         grad_leaves = spec.flatten_up_to(grads)
         new_leaves: list[Any] = list(param_leaves)
         new_state = {}
-        for group, indices in groups.items():
+        for group in state:  # the state's own key order: a skipped step keeps the state as it came
+            indices = groups[group]
             new_params, new_state[group] = optimizers[group].update(
                 members(grad_leaves, names, indices), state[group], members(param_leaves, names, indices)
             )

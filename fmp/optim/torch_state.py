@@ -22,7 +22,7 @@ __all__ = ["from_torch_state_dict", "to_torch_state_dict"]
 
 _TORCH_NAMES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
 # Settings that only choose torch's kernels or record a scheduler's start: nothing to carry over.
-_KERNEL_SETTINGS = {"maximize", "foreach", "capturable", "differentiable", "fused", "initial_lr"}
+_KERNEL_SETTINGS = {"maximize", "foreach", "capturable", "differentiable", "fused", "initial_lr", "param_names"}
 
 
 def _check_groups(kind: str, state_dict: Any, count: int) -> list[dict[str, Any]]:
@@ -112,12 +112,15 @@ def from_torch_state_dict(
             state_dict does not say, and torch before 2.6 saves Adam and AdamW alike).
         state_dict: `optimizer.state_dict()` of that optimizer. With several param groups the
             result is a `partition` of one optimizer per group, named "group0", "group1", ...
-        params: The parameters by name, a flat dict, in the order the torch optimizer was given
-            them (group by group: `model.parameters()` for one group), on the device the state
-            goes to.
+        params: The parameters by name, a flat dict, on the device the state goes to. Where the
+            optimizer was built on `model.named_parameters()` (torch >= 2.6 then saves each
+            group's `param_names`), the names decide the groups; otherwise `params` must list
+            the parameters in the order the optimizer was given them, group by group
+            (`model.parameters()` for one group), which only their shapes can check.
         applied_steps: Optimizer steps torch applied, skipped ones not counted. torch.optim.SGD keeps
             no count of its own and fmp's `SgdState` does (its first step seeds the momentum
-            buffers, a schedule reads it); Adam's own count in `state_dict` must equal it.
+            buffers, a schedule reads it); Adam's own counts in `state_dict` go on, each group's
+            one number, at most this (a group may have started late).
 
     Returns:
         `(optimizer, opt_state)`, for `TrainState.create(params, optimizer, scaler)._replace(opt_state=opt_state)`.
@@ -136,22 +139,40 @@ def from_torch_state_dict(
             raise TypeError(f"params[{name!r}] is a {type(param).__name__}; params must be a flat dict of tensors")
     applied_steps = check_int("applied_steps", applied_steps, 0, torch.iinfo(torch.int32).max)
     groups = _check_groups(kind, state_dict, len(params))
-    # torch numbers the parameters group by group, in the order it was given them.
-    names = list(params)
-    starts = [0, *itertools.accumulate(len(group["params"]) for group in groups)]
+    names = [str(name) for name in params]  # as partition names a flat dict's leaves
+    params = dict(zip(names, params.values(), strict=True))
+    members = _members(groups, names)
     optimizers, states, labels = {}, {}, {}
     for index, group in enumerate(groups):
         label = f"group{index}" if len(groups) > 1 else "all"
-        members = names[starts[index] : starts[index + 1]]
         entries = [state_dict["state"].get(key) for key in group["params"]]
         optimizers[label] = _optimizer(kind, group)
-        states[label] = _group_state(
-            kind, optimizers[label], group, {n: params[n] for n in members}, entries, applied_steps
-        )
-        labels.update(dict.fromkeys(members, label))
+        group_params = {n: params[n] for n in members[index]}
+        states[label] = _group_state(kind, optimizers[label], group, group_params, entries, applied_steps)
+        labels.update(dict.fromkeys(members[index], label))
     if len(groups) == 1:
         return optimizers["all"], states["all"]
-    return partition(optimizers, lambda name, param: labels[name]), states
+
+    def label_of(name: str, param: torch.Tensor) -> str:
+        if name not in labels:
+            raise ValueError(f"params[{name!r}] was not among the params converted from the torch state_dict")
+        return labels[name]
+
+    return partition(optimizers, label_of), states
+
+
+def _members(groups: list[dict[str, Any]], names: list[str]) -> list[list[str]]:
+    """Each param group's parameter names: by torch's `param_names` where every group has them, else by order."""
+    if all("param_names" in group for group in groups):
+        known = set(names)
+        for index, group in enumerate(groups):
+            unknown = [str(name) for name in group["param_names"] if str(name) not in known]
+            if unknown:
+                raise ValueError(f"param group {index} of the state_dict names {unknown}, which params lacks")
+        return [[str(name) for name in group["param_names"]] for group in groups]
+    # Without names, torch numbers the parameters group by group, in the order it was given them.
+    starts = [0, *itertools.accumulate(len(group["params"]) for group in groups)]
+    return [names[starts[index] : starts[index + 1]] for index in range(len(groups))]
 
 
 def _group_state(
@@ -168,6 +189,8 @@ def _group_state(
     names = list(params)
     if kind == "sgd" and not group["momentum"]:
         return fresh  # plain SGD keeps no state, in torch or in fmp
+    if not names:  # an empty group (a no-decay group of a model without biases): only its count goes on
+        return fresh._replace(step=torch.full_like(fresh.step, applied_steps))
     if all(entry is None for entry in entries):
         if applied_steps:
             raise ValueError(
@@ -176,20 +199,29 @@ def _group_state(
         return fresh  # torch never stepped: nothing to carry over
     missing = [name for name, entry in zip(names, entries, strict=True) if entry is None]
     if missing:
-        raise ValueError(f"the state_dict has state for some parameters but not for {missing}")
+        raise ValueError(
+            f"the state_dict has state for some parameters but not for {missing}: torch keeps none for a "
+            f"parameter that never had a gradient, and fmp keeps one step count per group; give those "
+            f"parameters a param group of their own, or leave them out of params"
+        )
     if not applied_steps:  # fmp's first step would seed the momentum afresh, dropping the loaded buffers
         raise ValueError("the state_dict holds optimizer state, so torch applied steps, yet applied_steps is 0")
-    step = torch.full_like(fresh.step, applied_steps)
     if kind == "sgd":
         momentum = {n: _restored(n, e, "momentum_buffer", params[n]) for n, e in zip(names, entries, strict=True)}
-        return SgdState(step, momentum)
+        return SgdState(torch.full_like(fresh.step, applied_steps), momentum)
     counts = set()
     for name, entry in zip(names, entries, strict=True):
         if not isinstance(entry.get("step"), torch.Tensor | float | int):
             raise ValueError(f"the optimizer state of {name} has no step count: keys {sorted(entry)}")
         counts.add(float(entry["step"]))
-    if counts != {applied_steps}:
-        raise ValueError(f"the state_dict's Adam step counts are {sorted(counts)}, expected {applied_steps} for all")
+    # Adam's own count (which its bias correction reads) goes on; a group may have started late.
+    (count, *others) = sorted(counts)
+    if others or count > applied_steps or count != int(count):
+        raise ValueError(
+            f"the state_dict's Adam step counts are {sorted(counts)}; a group's must be one whole number, "
+            f"at most applied_steps={applied_steps}"
+        )
+    step = torch.full_like(fresh.step, int(count))
     exp_avg = {n: _restored(n, e, "exp_avg", params[n]) for n, e in zip(names, entries, strict=True)}
     exp_avg_sq = {n: _restored(n, e, "exp_avg_sq", params[n]) for n, e in zip(names, entries, strict=True)}
     return AdamState(step, exp_avg, exp_avg_sq)
