@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
 import torch
+from conftest import TOLERANCES
 from conftest import assert_trees_bitwise_equal
+from conftest import assert_trees_close
 from conftest import bits
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import fmp
 
@@ -121,3 +125,32 @@ def test_a_state_saved_with_the_groups_listed_the_other_way_round_steps_on() -> 
 
     new_state, info = fmp.train_step(loss_fn, state, *batches(1)[0], policy=fmp.Policy(), optimizer=optimizer)
     assert bool(info.applied) and list(new_state.opt_state) == ["decay", "no_decay"]
+
+
+@pytest.mark.compiled
+def test_a_compiled_donated_step_with_groups_is_one_graph_and_matches_eager() -> None:
+    model = make_model()
+    groups = {"decay": fmp.optim.adamw(1e-2, weight_decay=0.1), "no_decay": fmp.optim.sgd(1e-2, 0.9)}
+    optimizer = fmp.optim.clip_by_global_norm(fmp.optim.partition(groups, decays), 1.0)
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)), y)
+
+    def fresh() -> fmp.TrainState:
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        return fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create())
+
+    counter = CompileCounterWithBackend("inductor")
+    step = functools.partial(fmp.train_step, loss_fn, policy=fmp.Policy(), optimizer=optimizer)
+    compiled = torch.compile(functools.partial(step, donate=True), backend=counter, fullgraph=True)
+    eager_state, state = fresh(), fresh()
+    for index, (x, y) in enumerate(batches(4)):
+        if index == 2:
+            x[0, 0] = float("inf")
+        eager_state, _ = step(eager_state, x, y)
+        state, info = compiled(state, x, y)
+        assert bool(info.applied) == (index != 2)
+    assert counter.frame_count == 1
+    assert_trees_close(
+        (state.params, state.opt_state), (eager_state.params, eager_state.opt_state), **TOLERANCES[torch.float32]
+    )
