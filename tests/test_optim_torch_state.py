@@ -36,6 +36,27 @@ def torch_run(kind: str, steps: int) -> tuple[torch.nn.Module, torch.optim.Optim
     return model, optimizer, batches
 
 
+def step_both_and_compare(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: fmp.TrainState,
+    fmp_optimizer: fmp.optim.Optimizer,
+    x: torch.Tensor,
+) -> fmp.TrainState:
+    """One more step of torch's run, then of fmp's from the converted state: the params agree bit for bit."""
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, params, (x,)).square().mean()
+
+    # torch steps first, updating its buffers in place: fmp's converted state must not share them.
+    model(x).square().mean().backward()
+    optimizer.step()
+    state, _ = fmp.train_step(loss_fn, state, x, policy=fmp.Policy(), optimizer=fmp_optimizer)
+    for name, p in model.named_parameters():
+        assert torch.equal(bits(state.params[name]), bits(p.detach())), name
+    return state
+
+
 @pytest.mark.parametrize("kind", ["adamw", "adam", "sgd"])
 def test_converted_optimizer_state_continues_torch_optim_bit_for_bit(kind: str) -> None:
     model, optimizer, batches = torch_run(kind, steps=3)
@@ -43,16 +64,7 @@ def test_converted_optimizer_state_continues_torch_optim_bit_for_bit(kind: str) 
     fmp_optimizer, opt_state = fmp.optim.from_torch_state_dict(kind, optimizer.state_dict(), params, applied_steps=3)
     # In float32 without loss scaling, fmp's optimizers are torch.optim's arithmetic op for op.
     state = fmp.TrainState.create(params, fmp_optimizer, fmp.NoOpLossScale())._replace(opt_state=opt_state)
-
-    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        return torch.func.functional_call(model, params, (x,)).square().mean()
-
-    # torch steps first, updating its buffers in place: fmp's converted state must not share them.
-    model(batches[-1]).square().mean().backward()
-    optimizer.step()
-    state, _ = fmp.train_step(loss_fn, state, batches[-1], policy=fmp.Policy(), optimizer=fmp_optimizer)
-    for name, p in model.named_parameters():
-        assert torch.equal(bits(state.params[name]), bits(p.detach())), name
+    state = step_both_and_compare(model, optimizer, state, fmp_optimizer, batches[-1])
     assert int(state.opt_state.step) == 4
 
 
@@ -199,15 +211,7 @@ def test_several_param_groups_become_a_partition_and_continue_bit_for_bit() -> N
         "3.bias",
     ]
     state = fmp.TrainState.create(params, fmp_optimizer, fmp.NoOpLossScale())._replace(opt_state=opt_state)
-
-    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        return torch.func.functional_call(model, params, (x,)).square().mean()
-
-    model(batches[-1]).square().mean().backward()
-    optimizer.step()
-    state, _ = fmp.train_step(loss_fn, state, batches[-1], policy=fmp.Policy(), optimizer=fmp_optimizer)
-    for name, p in model.named_parameters():
-        assert torch.equal(bits(state.params[name]), bits(p.detach())), name
+    state = step_both_and_compare(model, optimizer, state, fmp_optimizer, batches[-1])
     # And back: a torch optimizer with the same groups loads the partition's state and goes on.
     back_model = make_model()
     back_model.load_state_dict(dict(model.state_dict()))
@@ -245,15 +249,7 @@ def test_named_and_late_groups_convert_in_the_models_order() -> None:
     fmp_optimizer, opt_state = fmp.optim.from_torch_state_dict("adamw", optimizer.state_dict(), params, 3)
     assert [int(opt_state[g].step) for g in ("group0", "group1")] == [3, 2]
     state = fmp.TrainState.create(params, fmp_optimizer, fmp.NoOpLossScale())._replace(opt_state=opt_state)
-
-    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        return torch.func.functional_call(model, params, (x,)).square().mean()
-
-    model(batches[-1]).square().mean().backward()
-    optimizer.step()
-    state, _ = fmp.train_step(loss_fn, state, batches[-1], policy=fmp.Policy(), optimizer=fmp_optimizer)
-    for name, p in model.named_parameters():
-        assert torch.equal(bits(state.params[name]), bits(p.detach())), name
+    state = step_both_and_compare(model, optimizer, state, fmp_optimizer, batches[-1])
     with pytest.raises(ValueError, match=r"params\['extra'\] was not among the params converted"):
         fmp_optimizer.init({**params, "extra": torch.zeros(1)})
 

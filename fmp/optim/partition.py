@@ -32,9 +32,9 @@ def _name(path: tuple[Any, ...]) -> str:
     return ".".join(parts)
 
 
-def _groups(params: Any, label: LabelFn, optimizers: Mapping[str, Optimizer]) -> dict[str, list[int]]:
-    """Each group's leaf indices, in the params' order; every group of `optimizers` listed, empty or not."""
-    groups: dict[str, list[int]] = {group: [] for group in optimizers}
+def _groups(params: Any, label: LabelFn, optimizers: Mapping[str, Optimizer]) -> dict[str, dict[str, int]]:
+    """Each group's parameters, `{name: leaf index}` in the params' order; every group of `optimizers`, empty or not."""
+    groups: dict[str, dict[str, int]] = {group: {} for group in optimizers}
     seen: set[str] = set()
     for index, (path, param) in enumerate(pytree.tree_flatten_with_path(params)[0]):
         name = _name(path)
@@ -46,7 +46,7 @@ def _groups(params: Any, label: LabelFn, optimizers: Mapping[str, Optimizer]) ->
             raise TypeError(f"label({name!r}, ...) must return a group name (str), got {type(group).__name__}")
         if group not in groups:
             raise ValueError(f"label({name!r}, ...) returned {group!r}, which is not a group of {sorted(optimizers)}")
-        groups[group].append(index)
+        groups[group][name] = index
     return groups
 
 
@@ -90,15 +90,12 @@ def partition(optimizers: Mapping[str, Optimizer], label: LabelFn) -> Optimizer:
         raise TypeError(f"label must be a function label(name, param) -> group, got {type(label).__name__}")
     optimizers = dict(optimizers)
 
-    def members(tree_leaves: list[Any], names: list[str], indices: list[int]) -> dict[str, Any]:
-        return {names[i]: tree_leaves[i] for i in indices}
-
-    def names_of(params: Any) -> list[str]:
-        return [_name(path) for path, _ in pytree.tree_flatten_with_path(params)[0]]
+    def members(leaves: list[Any], indices: dict[str, int]) -> dict[str, Any]:
+        return {name: leaves[index] for name, index in indices.items()}
 
     def init(params: Any) -> dict[str, Any]:
-        groups, names, leaves = _groups(params, label, optimizers), names_of(params), pytree.tree_leaves(params)
-        return {group: optimizers[group].init(members(leaves, names, indices)) for group, indices in groups.items()}
+        groups, leaves = _groups(params, label, optimizers), pytree.tree_leaves(params)
+        return {group: optimizers[group].init(members(leaves, indices)) for group, indices in groups.items()}
 
     def update(grads: Any, state: Any, params: Any) -> tuple[Any, dict[str, Any]]:
         if not (isinstance(state, dict) and state.keys() == optimizers.keys()):
@@ -107,7 +104,7 @@ def partition(optimizers: Mapping[str, Optimizer], label: LabelFn) -> Optimizer:
                 f"partition got optimizer state {got}, expected a dict of the groups {sorted(optimizers)}: "
                 f"was it created by another optimizer's init?"
             )
-        groups, names = _groups(params, label, optimizers), names_of(params)
+        groups = _groups(params, label, optimizers)
         param_leaves, spec = pytree.tree_flatten(params)
         grad_leaves = spec.flatten_up_to(grads)
         new_leaves: list[Any] = list(param_leaves)
@@ -115,10 +112,10 @@ def partition(optimizers: Mapping[str, Optimizer], label: LabelFn) -> Optimizer:
         for group in state:  # the state's own key order: a skipped step keeps the state as it came
             indices = groups[group]
             new_params, new_state[group] = optimizers[group].update(
-                members(grad_leaves, names, indices), state[group], members(param_leaves, names, indices)
+                members(grad_leaves, indices), state[group], members(param_leaves, indices)
             )
-            for index in indices:
-                new_leaves[index] = new_params[names[index]]
+            for name, index in indices.items():
+                new_leaves[index] = new_params[name]
         return pytree.tree_unflatten(new_leaves, spec), new_state
 
     return Optimizer(init, update)
