@@ -163,8 +163,13 @@ def fmp_contender(
     donate: bool,
     options: dict[str, Any] | None = None,
     grad_norm: bool = False,
+    bfloat16_params: bool = False,
 ) -> Contender:
-    """fmp.train_step; `options` are Inductor's, for mode="default" (the counted backend) only."""
+    """fmp.train_step; `options` are Inductor's, for mode="default" (the counted backend) only.
+
+    With `bfloat16_params` the params and the optimizer's state are kept in bfloat16, without a
+    float32 copy, and updated through `fmp.optim.stochastic_rounding`.
+    """
     if options is not None and mode != "default":
         raise ValueError(f"options are for mode='default', not mode={mode!r}")
 
@@ -172,7 +177,10 @@ def fmp_contender(
         return nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)).float(), y.float())
 
     optimizer = fmp.optim.sgd(LR) if family == "sgd" else fmp.optim.adamw(LR)
-    policy = fmp.Policy(torch.float32, setting.dtype, torch.float32)
+    param_dtype = torch.bfloat16 if bfloat16_params else torch.float32
+    if bfloat16_params:
+        optimizer = fmp.optim.stochastic_rounding(optimizer, state_dtype=torch.bfloat16)
+    policy = fmp.Policy(param_dtype, setting.dtype, torch.float32)
     train_step: Callable[..., tuple[fmp.TrainState, fmp.StepInfo]] = functools.partial(
         fmp.train_step, loss_fn, policy=policy, optimizer=optimizer, donate=donate, grad_norm=grad_norm
     )
@@ -182,7 +190,7 @@ def fmp_contender(
         train_step = torch.compile(train_step, backend=counter, fullgraph=True)
     elif mode is not None:
         train_step = torch.compile(train_step, mode=mode, fullgraph=True)
-    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    params = {k: v.detach().to(param_dtype, copy=True) for k, v in model.named_parameters()}
     state = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create())
     if mode == "reduce-overhead":  # a donated state updated in place inside the CUDA graph
         for tensor in pytree.tree_leaves(state):
@@ -216,6 +224,9 @@ def contender_builders(setting: Setting, device: torch.device) -> dict[str, Call
             model(), setting, "sgd", mode="default", donate=True, grad_norm=True
         ),
         "fmp donated adamw": lambda: fmp_contender(model(), setting, "adamw", mode="default", donate=True),
+        "fmp donated adamw bf16+sr": lambda: fmp_contender(
+            model(), setting, "adamw", mode="default", donate=True, bfloat16_params=True
+        ),
         "fmp buffer sgd": lambda: buffer_contender(model(), setting),
     }
     if device.type == "cpu":

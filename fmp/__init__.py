@@ -13,6 +13,7 @@ from fmp.fused import unscale_and_adjust
 from fmp.fused import unscale_clip_and_adjust
 from fmp.grad import Gradients
 from fmp.grad import mixed_precision_grad
+from fmp.grad import with_policy
 from fmp.gradient_buffer import GradientBuffer
 from fmp.loss_scale import DynamicLossScale
 from fmp.loss_scale import LossScale
@@ -22,6 +23,7 @@ from fmp.module_policy import module_policies
 from fmp.policy import Policy
 from fmp.policy import get_policy
 from fmp.policy import half_dtype
+from fmp.rounding import stochastic_round
 from fmp.state import StepCounts
 from fmp.state import TrainState
 from fmp.step import LossScaleStalledError
@@ -68,8 +70,10 @@ __all__ = [
     "raise_if_stalled",
     "select_tree",
     "stack_trees",
+    "stochastic_round",
     "train_step",
     "unscale_and_adjust",
     "unscale_clip_and_adjust",
     "unstack_tree",
+    "with_policy",
 ]

@@ -18,9 +18,7 @@ a per-thread stack, and a mode that is not the innermost one passes its calls th
 
 from __future__ import annotations
 
-import difflib
 import functools
-import itertools
 import threading
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -33,12 +31,12 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
-from fmp.autocast_paths import CALLS
-from fmp.autocast_paths import ROUTES
+from fmp.autocast_overrides import Override
+from fmp.autocast_overrides import Target
+from fmp.autocast_overrides import resolve_rules
 from fmp.autocast_paths import argument
 from fmp.autocast_paths import call_path
 from fmp.autocast_paths import negative_power
-from fmp.autocast_rules import RULE_SETS
 from fmp.autocast_rules import Cast
 from fmp.autocast_rules import RuleSet
 
@@ -46,13 +44,6 @@ __all__ = ["AutocastMode", "autocast", "resolve_rules"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-Override = Cast | torch.dtype | None
-"""An override's value: a Cast, a fixed dtype to cast to, or None to leave the op uncast."""
-Target = torch.dtype | Cast
-"""A resolved rule: the dtype to cast to, or Cast.PROMOTE."""
-
-_LOW_DTYPES = (torch.float16, torch.bfloat16)
 
 _BCE_FLOAT16_ERROR = (
     "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast to float16: "
@@ -123,125 +114,6 @@ _LOCAL = _Local()
 
 def _active_modes() -> list[AutocastMode]:
     return _LOCAL.modes
-
-
-# Tensor's operator methods reach the mode as the op they call: `x @ y` as "matmul", `x ** y` as
-# "pow", `1 / x` as "__rdiv__" (`__rmatmul__`, a Python method, reaches it as itself and is routed to
-# "matmul"). An override keyed by one applies to that op.
-_OPERATORS = {"__matmul__": "matmul", "__rmatmul__": "matmul", "__pow__": "pow", "__rtruediv__": "__rdiv__"}
-_OPERATORS |= {"__add__": "add", "__radd__": "add", "__sub__": "sub", "__mul__": "mul", "__rmul__": "mul"}
-_OPERATORS |= {"__truediv__": "div", "__div__": "div", "__mod__": "remainder"}
-
-
-def _op_name(op: Any) -> str:
-    if isinstance(op, type):
-        raise TypeError(
-            f"autocast override key {op.__qualname__} is a class; overrides take ops (a function such as "
-            "torch.softmax, or its name), not modules"
-        )
-    qualified = op.split("::")[-1] if isinstance(op, str) else getattr(op, "__name__", None)
-    if not isinstance(qualified, str):
-        raise TypeError(f"autocast override key {op!r} is neither an op name nor a function with a __name__")
-    name = qualified.split(".")[0]  # torch.ops.aten.mm.default is named "mm.default"
-    return _OPERATORS.get(name, name)
-
-
-@functools.cache
-def _seen_names() -> frozenset[str]:
-    """The names the mode can see a call under: torch's overridable functions and methods, and its ops."""
-    functions = itertools.chain.from_iterable(torch.overrides.get_overridable_functions().values())
-    names = {getattr(f, "__name__", "").split(".")[0] for f in functions}
-    names.update(op.split("::")[-1].split(".")[0] for op in torch._C._dispatch_get_all_op_names())
-    return frozenset({_OPERATORS.get(name, name) for name in names} | set(CALLS) | set(ROUTES))
-
-
-def _check_name(name: str, where: str) -> None:
-    # A name the mode never sees would make a rule that silently does nothing.
-    if name in _seen_names() or any(name in rules for rules in RULE_SETS.values()):
-        return
-    _seen_names.cache_clear()  # a custom op registered (torch.library) since the names were read
-    known = _seen_names().union(*RULE_SETS.values())
-    if name not in known:
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else "; no torch function or op has that name"
-        raise ValueError(f"unknown op {name!r} in autocast {where}{hint}")
-
-
-def _checked_rules(rules: Mapping[Any, Override]) -> dict[str, Override]:
-    """A custom rule set keyed by op name, each name checked as an override's is."""
-    checked: dict[str, Override] = {}
-    for op, value in rules.items():
-        name = _op_name(op)
-        _check_name(name, "rules")
-        checked[name] = value
-    return checked
-
-
-def _merge(rules: Mapping[str, Override], overrides: Mapping[Any, Override] | None) -> dict[str, Override]:
-    """The rule set with the overrides on top, keyed by op name, each override checked."""
-    if overrides is not None and not isinstance(overrides, Mapping):
-        raise TypeError(f"autocast overrides must be a mapping of op to rule, got {type(overrides).__name__}")
-    merged: dict[str, Override] = dict(rules)
-    for op, value in (overrides or {}).items():
-        name = _op_name(op)
-        if name not in rules:
-            _check_name(name, "overrides")
-        if isinstance(value, torch.dtype) and not value.is_floating_point:
-            raise TypeError(f"autocast override for {name!r} must cast to a floating dtype, got {value}")
-        merged[name] = value
-    return merged
-
-
-def resolve_rules(
-    rules: str | RuleSet, dtype: torch.dtype, overrides: Mapping[Any, Override] | None = None
-) -> dict[str, Target | None]:
-    """Turns a rule set and overrides into the table the mode reads: op name -> dtype, PROMOTE or None.
-
-    Args:
-        rules: "cuda", "cpu", or a mapping of op name to `Cast`.
-        dtype: The lower dtype, float16 or bfloat16.
-        overrides: Op (a function such as `torch.softmax`, or its name) -> a `Cast`, a floating
-            dtype to always cast to, or None to leave the op uncast.
-
-    Returns:
-        A dict from op name to the dtype its inputs are cast to, `Cast.PROMOTE`, or None for an op
-        overridden to stay uncast (where the rule of an op it calls inside no longer applies).
-
-    Raises:
-        ValueError: For an unknown rule-set name, or a rule or override of an op no torch
-            function has the name of.
-        TypeError: For a dtype that is not float16 or bfloat16, overrides that are not a mapping, an
-            override keyed by a class, or a value that is not a Cast, a floating dtype or None.
-    """
-    if dtype not in _LOW_DTYPES:
-        raise TypeError(f"autocast dtype must be torch.float16 or torch.bfloat16, got {dtype!r}")
-    if not isinstance(rules, str | Mapping):
-        raise TypeError(
-            f"autocast rules must be a rule-set name ({', '.join(RULE_SETS)}) or a mapping of op name to Cast, "
-            f"got {type(rules).__name__}; without rules, call the function as it is"
-        )
-    base: Mapping[str, Override]
-    if isinstance(rules, str):
-        if rules not in RULE_SETS:
-            raise ValueError(f"unknown autocast rule set {rules!r}; accepted: {', '.join(RULE_SETS)} or a mapping")
-        base = RULE_SETS[rules]
-    else:
-        base = rules if any(rules is built_in for built_in in RULE_SETS.values()) else _checked_rules(rules)
-    table: dict[str, Target | None] = {}
-    for name, value in _merge(base, overrides).items():
-        if value is None or isinstance(value, torch.dtype):
-            table[name] = value
-        elif value is Cast.LOWER:
-            table[name] = dtype
-        elif value is Cast.FLOAT32:
-            table[name] = torch.float32
-        elif value is Cast.PROMOTE:
-            table[name] = Cast.PROMOTE
-        elif value is Cast.FLOAT32_UNLESS_FLOAT16:
-            table[name] = Cast.FLOAT32_UNLESS_FLOAT16 if dtype == torch.float16 else torch.float32
-        else:
-            raise TypeError(f"autocast rule for {name!r} must be a Cast, a torch.dtype or None, got {value!r}")
-    return table
 
 
 def _eligible(x: Any) -> bool:

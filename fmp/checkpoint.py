@@ -8,6 +8,7 @@ from fmp.loss_scale import NoOpLossScale
 from fmp.loss_scale import StaticLossScale
 from fmp.optim.adam import AdamState
 from fmp.optim.sgd import SgdState
+from fmp.optim.stochastic_rounding import StochasticRoundingState
 from fmp.state import StepCounts
 from fmp.state import TrainState
 
@@ -35,4 +36,5 @@ def checkpoint_classes() -> list[type]:
         DynamicLossScale,
         AdamState,
         SgdState,
+        StochasticRoundingState,
     ]

@@ -23,6 +23,7 @@ from typing import TypeVar
 from typing import cast
 
 import torch
+import torch.utils._pytree as pytree
 
 from fmp._checks import check_bool
 from fmp._checks import check_real
@@ -30,6 +31,7 @@ from fmp.loss_scale import LossScale
 from fmp.loss_scale import check_scaler
 from fmp.optim.clip import clip_tree_by_global_norm
 from fmp.tree import all_finite
+from fmp.tree import check_no_opaque_leaves
 from fmp.tree import donate_into
 from fmp.tree import tree_accelerator_device
 from fmp.tree import tree_device
@@ -49,6 +51,7 @@ def _check_arguments(scaler: Any, scaled_grads: Any, donate: Any) -> torch.devic
     """Checks the arguments and returns the device the work runs on (the flags' device)."""
     check_scaler(scaler)
     check_bool("donate", donate)
+    check_no_opaque_leaves(pytree.tree_leaves(scaled_grads), scaled_grads, "scaled_grads")
     grads_device, scaler_device = tree_device(scaled_grads), tree_device(scaler)
     if grads_device is not None and scaler_device is not None and grads_device != scaler_device:
         raise ValueError(

@@ -16,13 +16,22 @@ from typing import cast
 import torch
 import torch.utils._pytree as pytree
 
+from fmp._checks import check_bool
 from fmp.autocast import autocast
 from fmp.loss_scale import LossScale
 from fmp.loss_scale import check_scaler
 from fmp.policy import Policy
 from fmp.tree import all_finite
+from fmp.tree import check_no_opaque_leaves
 
-__all__ = ["Gradients", "ScalerTree", "check_no_module_parameters", "check_scalers", "mixed_precision_grad"]
+__all__ = [
+    "Gradients",
+    "ScalerTree",
+    "check_param_leaves",
+    "check_scalers",
+    "mixed_precision_grad",
+    "with_policy",
+]
 
 LossFn = Callable[..., Any]
 ScalerTree = LossScale | tuple[LossScale, ...]
@@ -64,25 +73,25 @@ def check_scalers(scaler: Any) -> None:
     check_scaler(scaler)
 
 
-def check_no_module_parameters(params: Any) -> None:
-    """Raises a TypeError naming the leaf if `params` holds an `nn.Parameter` or a tensor that requires grad.
+def check_param_leaves(params: Any) -> None:
+    """Raises a TypeError naming the leaf unless every leaf of `params` is a tensor autograd does not track.
 
-    The step's new params are computed from the old ones, so an autograd leaf would chain every
-    step's graph onto the last (a memory leak). Tensors wrapped by a `torch.func` transform (a
-    meta-gradient through the step) are differentiated on purpose and pass.
+    An opaque container (a generator, a Module) or a non-tensor cannot be a parameter. An
+    `nn.Parameter`, or a tensor that requires grad, would chain every step's graph onto the last,
+    since the step's new params are computed from the old ones (a memory leak). Tensors wrapped by
+    a `torch.func` transform (a meta-gradient through the step) are differentiated on purpose and pass.
     """
+    check_no_opaque_leaves(pytree.tree_leaves(params), params, "params")
     for path, leaf in pytree.tree_flatten_with_path(params)[0]:
         where = f"params{pytree.keystr(path)}"
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"{where} is a {type(leaf).__name__}; every leaf of params must be a tensor")
         if isinstance(leaf, torch.nn.Parameter):
             raise TypeError(
                 f"{where} is an nn.Parameter: autograd would chain every step's graph onto the last "
                 f"(a memory leak); pass {{k: v.detach() for k, v in model.named_parameters()}}"
             )
-        if (
-            isinstance(leaf, torch.Tensor)
-            and leaf.requires_grad
-            and not torch._C._functorch.is_functorch_wrapped_tensor(leaf)
-        ):
+        if leaf.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(leaf):
             raise TypeError(
                 f"{where} requires grad (torch.func.stack_module_state returns such tensors): autograd would "
                 f"chain every step's graph onto the last (a memory leak); pass it .detach()ed"
@@ -91,11 +100,9 @@ def check_no_module_parameters(params: Any) -> None:
 
 def _check_params(params: Any, policy: Policy) -> None:
     """Every parameter is differentiated, so each must be a floating tensor in the param dtype."""
-    check_no_module_parameters(params)
+    check_param_leaves(params)
     for path, leaf in pytree.tree_flatten_with_path(params)[0]:
         where = f"params{pytree.keystr(path)}"
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(f"{where} is a {type(leaf).__name__}; every leaf of params must be a tensor")
         if not (leaf.is_floating_point() or leaf.is_complex()):
             raise TypeError(
                 f"{where} is {leaf.dtype}; every leaf of params is differentiated, "
@@ -174,6 +181,22 @@ def _check_reads_no_module_parameters(loss: Any) -> None:
             )
 
 
+def _check_depends_on_params(loss: torch.Tensor, which: str, params: Any) -> None:
+    """Raises if `loss`, inside `torch.func.grad`, is not computed from `params` (its gradients would be zeros).
+
+    Inside the transform a loss tracks the params exactly when it requires grad: a static property,
+    read without a sync. Eager only, as the module-parameter check.
+    """
+    if torch.compiler.is_compiling() or loss.requires_grad or not pytree.tree_leaves(params):
+        return
+    _check_reads_no_module_parameters(loss)  # the more specific message, where it applies
+    raise ValueError(
+        f"loss_fn's {which} does not depend on params, so every gradient would be zero: it was detached, "
+        f"computed under torch.no_grad, rebuilt from .item(), or the model was called as model(x), whose "
+        f"weights are not params; call it as torch.func.functional_call(model, params, (x,))"
+    )
+
+
 def _check_aux(aux: Any) -> None:
     for path, leaf in pytree.tree_flatten_with_path(aux)[0]:
         if not isinstance(leaf, torch.Tensor):
@@ -182,6 +205,32 @@ def _check_aux(aux: Any) -> None:
 
 def _tree_sum(trees: list[Any]) -> Any:
     return pytree.tree_map(lambda *xs: functools.reduce(torch.add, xs), *trees)
+
+
+def with_policy(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
+    """`fn(params, *args)` run as the step runs `loss_fn`, for evaluation with the training numerics.
+
+    In the compute dtype by the policy's rules (op by op under `fmp.autocast`, or with params and
+    floating args cast whole when `policy.rules` is None), its floating outputs cast to the output
+    dtype: a loss evaluated this way on the params a step saw equals that step's `info.loss` bit for
+    bit. With a float32 compute dtype only floating params and args in another dtype are cast.
+
+    Args:
+        fn: `fn(params, *args) -> outputs`, e.g. the loss function or the model's forward.
+        policy: The precision policy.
+
+    Returns:
+        The wrapped function.
+    """
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be an fmp.Policy (e.g. fmp.get_policy('c=bf16')), got {type(policy).__name__}")
+    forward = _forward(fn, policy)
+
+    @functools.wraps(fn)
+    def run(params: Any, *args: Any) -> Any:
+        return policy.cast_to_output(forward(params, *args))
+
+    return run
 
 
 def _forward(loss_fn: LossFn, policy: Policy) -> LossFn:
@@ -239,6 +288,7 @@ def mixed_precision_grad(
             frozen weights that still require grad), which the step would not update.
     """
     check_scalers(scaler)
+    check_bool("has_aux", has_aux)
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be an fmp.Policy (e.g. fmp.get_policy('c=bf16')), got {type(policy).__name__}")
     _check_params(params, policy)
@@ -260,6 +310,7 @@ def mixed_precision_grad(
     def grad_of_loss(index: int) -> tuple[Any, tuple[Any, Any]]:
         def scaled_loss_fn(params: Any, *args: Any) -> tuple[torch.Tensor, tuple[Any, Any]]:
             scaled, loss_and_aux = scaled_losses_fn(params, *args)
+            _check_depends_on_params(scaled[index], f"loss {index}" if isinstance(scaler, tuple) else "loss", params)
             return scaled[index], loss_and_aux
 
         # `args` go in as inputs, not captured: torch.func refuses in-place updates of captured

@@ -136,6 +136,7 @@ class GradientBuffer:
     ) -> None:
         """Wraps what `attach` built; call `attach` instead."""
         self._params = params
+        self._param_ids = frozenset(id(param) for param in params)
         self._views = views
         self._buffers = buffers
         self._compiled = compiled
@@ -318,6 +319,18 @@ class GradientBuffer:
                 buffer.copy_(values)
         self._versions_at_unscale = tuple(buffer._version for buffer in buffers)
 
+    def _check_owns(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raises unless every parameter `optimizer` steps is one of this buffer's (unscaled by `unscale_`)."""
+        for group_index, group in enumerate(optimizer.param_groups):
+            for index, param in enumerate(group["params"]):
+                if id(param) not in self._param_ids:
+                    raise ValueError(
+                        f"the optimizer steps param_groups[{group_index}]['params'][{index}] "
+                        f"(shape {tuple(param.shape)}, {param.dtype}), which this GradientBuffer does not hold: "
+                        "unscale_ never unscaled its gradient, so it would be applied times the loss scale; "
+                        "attach the buffer to all of the optimizer's parameters"
+                    )
+
     def step(self, optimizer: torch.optim.Optimizer, grads_finite: torch.Tensor) -> None:
         """Takes `optimizer`'s step, which leaves params and state unchanged where `grads_finite` is False.
 
@@ -333,10 +346,12 @@ class GradientBuffer:
             TypeError: If `optimizer` is not a torch optimizer that skips on the device (not fused,
                 or fused SGD with momentum, whose first skipped step leaves its momentum
                 uninitialized), or `grads_finite` is not a tensor.
-            ValueError: If `grads_finite` is not a 0-dim bool tensor.
+            ValueError: If `grads_finite` is not a 0-dim bool tensor, or the optimizer steps a
+                parameter this buffer does not hold.
         """
         _check_skips_on_device(optimizer)
         check_finite_flag(grads_finite)
+        self._check_owns(optimizer)
         optimizer.found_inf = (~grads_finite).float()  # type: ignore[attr-defined]
         try:
             optimizer.step()

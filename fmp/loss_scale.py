@@ -392,3 +392,10 @@ def check_scaler(scaler: Any) -> None:
         raise TypeError(
             f"scaler must be an fmp loss-scale state (e.g. DynamicLossScale.create()), got {type(scaler).__name__}"
         )
+    for leaf in pytree.tree_leaves(scaler):
+        if not isinstance(leaf, torch.Tensor):
+            name = type(scaler).__name__
+            raise TypeError(
+                f"{name} holds a {type(leaf).__name__} where a tensor belongs; build it with {name}.create(...), "
+                f"which checks and converts its arguments (the constructor takes tensors as they are)"
+            )

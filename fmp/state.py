@@ -11,7 +11,7 @@ import torch.utils._pytree as pytree
 from fmp._checks import check_int
 from fmp.accumulate import GradientAccumulator
 from fmp.grad import ScalerTree
-from fmp.grad import check_no_module_parameters
+from fmp.grad import check_param_leaves
 from fmp.grad import check_scalers
 from fmp.optim._base import Optimizer
 from fmp.tree import tree_device
@@ -109,7 +109,7 @@ class TrainState(NamedTuple):
         """
         check_optimizer(optimizer)
         check_scalers(scaler)
-        check_no_module_parameters(params)
+        check_param_leaves(params)
         steps = check_int("accumulation_steps", accumulation_steps, 1, torch.iinfo(torch.int32).max)
         device = tree_device(params)
         if device is not None:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import ItemsView
+from collections.abc import Iterator
+from collections.abc import KeysView
+from collections.abc import Set
+from collections.abc import ValuesView
 from typing import Any
 from typing import TypeVar
 from typing import cast
@@ -13,6 +18,7 @@ __all__ = [
     "all_finite",
     "cast_floating",
     "check_finite_flag",
+    "check_no_opaque_leaves",
     "donate_into",
     "is_floating_tensor",
     "is_inexact_tensor",
@@ -35,6 +41,32 @@ def is_floating_tensor(leaf: Any) -> bool:
 def is_inexact_tensor(leaf: Any) -> bool:
     """Whether `leaf` is a floating-point or complex tensor (the leaves fmp scales and checks)."""
     return isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
+
+
+# Containers that pytrees do not open: each is one leaf, so the tensors in it would go unseen.
+_OPAQUE_CONTAINERS = (Iterator, KeysView, ValuesView, ItemsView, Set, torch.nn.Module)
+
+
+def check_no_opaque_leaves(leaves: list[Any], tree: Any, name: str) -> None:
+    """Raises a TypeError if one of `tree`'s `leaves` is a container that pytrees treat as a leaf.
+
+    A generator (`model.parameters()`), a dict view (`grads.values()`), a set or a Module holds
+    tensors that every tree function would skip as a non-tensor leaf: an infinite gradient in it
+    would read as finite and a cast would cast nothing.
+
+    Args:
+        leaves: `tree`'s leaves, as the caller already flattened them.
+        tree: The tree, for the leaf's path in the message.
+        name: What the tree is called in the message, e.g. "all_finite: tree".
+    """
+    for index, leaf in enumerate(leaves):
+        if isinstance(leaf, _OPAQUE_CONTAINERS):
+            path = pytree.keystr(pytree.tree_flatten_with_path(tree)[0][index][0])
+            raise TypeError(
+                f"{name}{path} is a {type(leaf).__name__}, which pytrees keep as one opaque leaf, so the tensors "
+                f"in it would go unseen; pass a list or a dict (e.g. dict(model.named_parameters()) or "
+                f"[p.grad for p in model.parameters()])"
+            )
 
 
 def tree_device(tree: Any) -> torch.device | None:
@@ -65,10 +97,12 @@ def cast_floating(tree: Tree, dtype: torch.dtype) -> Tree:
         A tree of the same structure.
 
     Raises:
-        TypeError: If `dtype` is not a floating-point `torch.dtype`.
+        TypeError: If `dtype` is not a floating-point `torch.dtype`, or a leaf is a container that
+            pytrees do not open (a generator such as `model.parameters()`, a dict view, a Module).
     """
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"cast_floating: dtype must be a floating-point torch.dtype, got {dtype!r}")
+    check_no_opaque_leaves(pytree.tree_leaves(tree), tree, "cast_floating: tree")
     return cast(Tree, pytree.tree_map(lambda x: x.to(dtype) if is_floating_tensor(x) and x.dtype != dtype else x, tree))
 
 
@@ -125,7 +159,9 @@ def all_finite(tree: Any) -> torch.Tensor:
         A 0-dim bool tensor on the first accelerator among the leaves' devices, else on the CPU:
         gathering per-leaf flags there never copies from an accelerator to the host.
     """
-    leaves = [x for x in pytree.tree_leaves(tree) if is_inexact_tensor(x) and x.numel() > 0]
+    all_leaves = pytree.tree_leaves(tree)
+    check_no_opaque_leaves(all_leaves, tree, "all_finite: tree")
+    leaves = [x for x in all_leaves if is_inexact_tensor(x) and x.numel() > 0]
     if not leaves:
         return torch.ones((), dtype=torch.bool)
     # A complex leaf's real and imaginary parts side by side in its last dimension, so a 1-D leaf
@@ -310,5 +346,24 @@ def unstack_tree(tree: Tree, index: int) -> Tree:
 
     The leaves view the whole stack's storage, which `torch.save` writes out in full: clone the
     member (`tree_map(torch.clone, ...)`) to save it alone.
+
+    Raises:
+        TypeError: If `index` is not an int, or a leaf is not a tensor.
+        ValueError: If a leaf is 0-dim (not stacked) or `index` is out of range for the stack.
     """
-    return cast(Tree, pytree.tree_map(lambda x: x[index], tree))
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise TypeError(f"unstack_tree: index must be an int, got {type(index).__name__}")
+    leaves, spec = pytree.tree_flatten(tree)
+    sizes = set()
+    for position, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+            key = pytree.keystr(pytree.tree_flatten_with_path(tree)[0][position][0])
+            found = "a 0-dim tensor" if isinstance(leaf, torch.Tensor) else f"a {type(leaf).__name__}"
+            error = ValueError if isinstance(leaf, torch.Tensor) else TypeError
+            raise error(f"unstack_tree: tree{key} is {found}; pass a tree stacked by fmp.stack_trees")
+        sizes.add(leaf.shape[0])
+    if len(sizes) > 1:
+        raise ValueError(f"unstack_tree: the leaves' leading sizes differ ({sorted(sizes)}): not one stack")
+    if sizes and not -min(sizes) <= index < min(sizes):
+        raise ValueError(f"unstack_tree: index {index} is out of range for a stack of {min(sizes)}")
+    return cast(Tree, pytree.tree_unflatten([leaf[index] for leaf in leaves], spec))

@@ -312,6 +312,17 @@ def test_bad_overrides_fail_before_any_compute(case: str) -> None:
         autocast(torch.softmax, torch.bfloat16, overrides=overrides)
 
 
+@pytest.mark.parametrize(
+    ("key", "function"),
+    [("torch.softmax", torch.softmax), ("F.softmax", F.softmax), ("torch.linalg.norm", torch.linalg.norm)],
+)
+def test_a_function_written_out_as_a_string_keys_its_op(key: str, function: Any) -> None:
+    x = torch.randn(4, 4)
+    by_string = autocast(function, torch.bfloat16, overrides={key: torch.bfloat16})(x, -1)
+    by_function = autocast(function, torch.bfloat16, overrides={function: torch.bfloat16})(x, -1)
+    assert by_string.dtype == torch.bfloat16 and torch.equal(by_string, by_function)
+
+
 def test_custom_rule_sets_are_checked_and_keyed_as_overrides() -> None:
     x = torch.randn(3, 3)
     rules = {"__matmul__": Cast.LOWER, torch.softmax: Cast.FLOAT32}

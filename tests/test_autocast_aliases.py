@@ -31,8 +31,8 @@ from test_autocast import _to
 from test_autocast_cuda_rules import under_torch_cuda_autocast
 from torch import nn
 
-from fmp.autocast import _seen_names
 from fmp.autocast import autocast
+from fmp.autocast_overrides import seen_names
 from fmp.autocast_paths import CALLS
 from fmp.autocast_paths import ROUTES
 
@@ -196,7 +196,7 @@ def test_routes_end_and_name_ops_the_mode_knows() -> None:
         while seen[-1] in CALLS:
             seen.append(CALLS[seen[-1]])
             assert len(seen) <= len(CALLS), f"{name} routes in a cycle: {seen}"
-    assert set(CALLS) | set(CALLS.values()) | set(ROUTES) <= _seen_names()
+    assert set(CALLS) | set(CALLS.values()) | set(ROUTES) <= seen_names()
 
 
 # Functions the sweep does not call: a slow iterative solver, and operators that write into their inputs

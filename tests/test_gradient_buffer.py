@@ -360,3 +360,17 @@ def test_step_names_a_wrong_finite_flag() -> None:
 def test_compiled_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="compiled must be a bool, got int"):
         fmp.GradientBuffer.attach([torch.zeros(2, requires_grad=True)], compiled=1)  # type: ignore[arg-type]
+
+
+def test_step_names_an_optimizer_parameter_outside_the_buffer() -> None:
+    # unscale_ never sees its gradient: the optimizer would apply it times the loss scale.
+    model, other = make_model(), torch.nn.Linear(2, 1)
+    buffer = fmp.GradientBuffer.attach(model.parameters())
+    optimizer = torch.optim.AdamW([*model.parameters(), *other.parameters()], fused=True)
+    before = [p.detach().clone() for p in [*model.parameters(), *other.parameters()]]
+    with pytest.raises(
+        ValueError, match=r"param_groups\[0\]\['params'\]\[\d+\] \(shape \(1, 2\), torch.float32\), which this"
+    ):
+        buffer.step(optimizer, torch.tensor(True))
+    after = [*model.parameters(), *other.parameters()]
+    assert all(torch.equal(p, b) for p, b in zip(after, before, strict=True))

@@ -154,6 +154,20 @@ def test_state_or_grads_of_other_params_are_named(optimizer: fmp.optim.Optimizer
 
 
 @each_state_kind
+def test_grads_or_state_of_another_dtype_are_named(optimizer: fmp.optim.Optimizer) -> None:
+    # torch would promote the new params to float64 (SGD), or fail inside lerp (Adam).
+    params = {"w": torch.ones(3)}
+    with pytest.raises(ValueError, match=r"grads\['w'\] is torch.float64, but params\['w'\] is torch.float32"):
+        optimizer.update({"w": torch.ones(3, dtype=torch.float64)}, optimizer.init(params), params)
+    if torch.utils._pytree.tree_leaves(optimizer.init(params))[1:]:
+        other = optimizer.init({"w": torch.ones(3, dtype=torch.bfloat16)})
+        with pytest.raises(
+            ValueError, match=r"opt_state\.\w+\['w'\] is torch.bfloat16, but .* created for other params"
+        ):
+            optimizer.update(params, other, params)
+
+
+@each_state_kind
 def test_state_and_grads_with_keys_in_another_order_are_taken_key_by_key(optimizer: fmp.optim.Optimizer) -> None:
     params = {"w": torch.linspace(0, 1, 3), "b": torch.linspace(-1, 0, 2)}
     reordered = {"b": params["b"], "w": params["w"]}

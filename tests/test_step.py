@@ -11,6 +11,7 @@ from conftest import POLICIES
 from conftest import TOLERANCES
 from conftest import assert_trees_bitwise_equal
 from conftest import assert_unmutated
+from conftest import bits
 from conftest import mlp_batches
 from conftest import mlp_loss
 from conftest import mlp_params
@@ -393,3 +394,68 @@ def test_a_loss_that_reads_a_modules_own_parameters_is_named() -> None:
     assert bool(info.applied) and info.loss.requires_grad
     uses_params(new_state.params, x, y).backward()
     assert x.grad is not None and bool(x.grad.abs().sum() > 0)
+
+
+def test_a_loss_that_does_not_depend_on_params_is_named() -> None:
+    # torch.func.grad would return zeros, and weight decay and momentum would still move the params.
+    frozen = torch.nn.Linear(8, 1).requires_grad_(False)
+    params = {k: v.detach().clone() for k, v in frozen.named_parameters()}
+    x, y = batch()
+
+    def uses(p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(torch.func.functional_call(frozen, p, (x,)), y)
+
+    def under_no_grad(p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return uses(p, x, y)
+
+    losses = {
+        "frozen model(x)": lambda p, x, y: torch.nn.functional.mse_loss(frozen(x), y),
+        "detached": lambda p, x, y: uses(p, x, y).detach(),
+        "no_grad": under_no_grad,
+        "from .item()": lambda p, x, y: torch.tensor(uses(p, x, y).item()),
+    }
+    scaler = fmp.DynamicLossScale.create()
+    for loss_fn in losses.values():
+        with pytest.raises(
+            ValueError, match=r"loss_fn's loss does not depend on params, so every gradient would be zero"
+        ):
+            fmp.mixed_precision_grad(loss_fn, params, scaler, x, y, policy=fmp.Policy())
+    with pytest.raises(ValueError, match=r"loss_fn's loss 1 does not depend on params"):
+        fmp.mixed_precision_grad(
+            lambda p, x, y: (uses(p, x, y), losses["detached"](p, x, y)),
+            params,
+            (scaler, scaler),
+            x,
+            y,
+            policy=fmp.Policy(),
+        )
+    assert bool(fmp.mixed_precision_grad(uses, params, scaler, x, y, policy=fmp.Policy()).grads_finite)
+
+
+def test_a_loss_scale_built_without_create_and_non_bool_flags_are_named() -> None:
+    params, optimizer = mlp_params(), fmp.optim.sgd(0.1)
+    with pytest.raises(
+        TypeError, match=r"StaticLossScale holds a float where a tensor belongs; build it with StaticLossScale\.create"
+    ):
+        fmp.TrainState.create(params, optimizer, fmp.StaticLossScale(1024.0))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="has_aux must be a bool, got str"):
+        fmp.mixed_precision_grad(mlp_loss, params, fmp.NoOpLossScale(), *batch(), policy=fmp.Policy(), has_aux="False")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="nesterov must be a bool, got str"):
+        fmp.optim.sgd(0.1, 0.9, nesterov="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"partition's group names must be str \(label returns one\), got 0"):
+        fmp.optim.partition({0: optimizer}, lambda name, p: 0)  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize("policy", [*POLICIES, "params=float32,compute=bfloat16,output=float32,rules=none"])
+def test_with_policy_evaluates_the_loss_the_step_reported(policy: str) -> None:
+    mp = fmp.get_policy(policy)
+    optimizer = fmp.optim.sgd(0.1)
+    state = fmp.TrainState.create(mlp_params(), optimizer, fmp.NoOpLossScale())
+    x, y = batch()
+    _, info = fmp.train_step(mlp_loss, state, x, y, policy=mp, optimizer=optimizer)
+    evaluated = fmp.with_policy(mlp_loss, mp)(state.params, x, y)
+    assert evaluated.dtype == mp.output_dtype
+    assert torch.equal(bits(evaluated), bits(info.loss))
+    with pytest.raises(TypeError, match=r"policy must be an fmp\.Policy"):
+        fmp.with_policy(mlp_loss, "c=bf16")  # type: ignore[arg-type]

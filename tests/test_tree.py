@@ -134,3 +134,45 @@ def test_all_finite_reads_float8_leaves(dtype: torch.dtype) -> None:
     assert not bool(fmp.all_finite([finite, torch.tensor([1.0, float("nan")]).to(dtype)]))
     if dtype == torch.float8_e5m2:  # e4m3fn has no infinity: inf becomes NaN
         assert not bool(fmp.all_finite([torch.tensor([float("inf")]).to(dtype)]))
+
+
+def _opaque_containers() -> dict[str, object]:
+    model = torch.nn.Linear(2, 2)
+    grads = {"w": torch.full((2,), float("inf"))}
+    return {
+        "generator": (g for g in grads.values()),
+        "dict view": grads.values(),
+        "set": {1.0},
+        "module": model,
+    }
+
+
+@pytest.mark.parametrize("kind", ["generator", "dict view", "set", "module"])
+def test_containers_that_pytrees_do_not_open_are_named(kind: str) -> None:
+    # Each is one opaque leaf to a pytree: its infinite gradient would read as finite, a cast cast nothing.
+    message = r"\['g'\] is a \w+, which pytrees keep as one opaque leaf, so the tensors in it would go unseen"
+    calls = {
+        "all_finite": lambda t: fmp.all_finite(t),
+        "cast_floating": lambda t: fmp.cast_floating(t, torch.bfloat16),
+        "global_norm": lambda t: fmp.optim.global_norm(t),
+        "unscale_and_adjust": lambda t: fmp.unscale_and_adjust(fmp.DynamicLossScale.create(), t),
+        "TrainState.create": lambda t: fmp.TrainState.create(t, fmp.optim.sgd(0.1), fmp.NoOpLossScale()),
+    }
+    for call in calls.values():
+        with pytest.raises(TypeError, match=message):
+            call({"g": _opaque_containers()[kind]})
+
+
+def test_unstack_tree_names_a_tree_that_is_not_a_stack() -> None:
+    stacked = fmp.stack_trees([{"w": torch.zeros(2)}, {"w": torch.ones(2)}])
+    assert torch.equal(fmp.unstack_tree(stacked, -1)["w"], torch.ones(2))
+    with pytest.raises(TypeError, match="index must be an int, got bool"):
+        fmp.unstack_tree(stacked, True)
+    with pytest.raises(ValueError, match="index 2 is out of range for a stack of 2"):
+        fmp.unstack_tree(stacked, 2)
+    with pytest.raises(ValueError, match=r"tree\['s'\] is a 0-dim tensor; pass a tree stacked by fmp.stack_trees"):
+        fmp.unstack_tree({"s": torch.zeros(())}, 0)
+    with pytest.raises(TypeError, match=r"tree\['x'\] is a float"):
+        fmp.unstack_tree({"x": 1.0}, 0)
+    with pytest.raises(ValueError, match=r"leading sizes differ \(\[2, 3\]\)"):
+        fmp.unstack_tree({"a": torch.zeros(2), "b": torch.zeros(3)}, 0)

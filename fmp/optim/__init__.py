@@ -12,6 +12,8 @@ from fmp.optim.clip import global_norm
 from fmp.optim.partition import partition
 from fmp.optim.sgd import SgdState
 from fmp.optim.sgd import sgd
+from fmp.optim.stochastic_rounding import StochasticRoundingState
+from fmp.optim.stochastic_rounding import stochastic_rounding
 from fmp.optim.torch_state import from_torch_state_dict
 from fmp.optim.torch_state import to_torch_state_dict
 
@@ -20,6 +22,7 @@ __all__ = [
     "Optimizer",
     "Schedule",
     "SgdState",
+    "StochasticRoundingState",
     "adam",
     "adamw",
     "clip_by_global_norm",
@@ -29,5 +32,6 @@ __all__ = [
     "partition",
     "schedule",
     "sgd",
+    "stochastic_rounding",
     "to_torch_state_dict",
 ]

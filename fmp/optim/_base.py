@@ -61,7 +61,7 @@ def check_state(name: str, state: Any, expected: type) -> None:
 def leaves_like_params(
     name: str, params: Any, trees: Mapping[str, Any]
 ) -> tuple[pytree.TreeSpec, list[Any], list[list[Any]], list[pytree.TreeSpec | None]]:
-    """Flattens `params` and `trees`, checking each has the params' structure and leaf shapes.
+    """Flattens `params` and `trees`, checking each has the params' structure, leaf shapes and dtypes.
 
     A static check (no host sync) that costs nothing over the flattening an update needs anyway:
     it catches an optimizer state made for another model, which torch would otherwise report deep
@@ -79,7 +79,7 @@ def leaves_like_params(
         differs so (else None), for `unflatten_as`.
 
     Raises:
-        ValueError: Naming the tree and the first key or shape that differs.
+        ValueError: Naming the tree and the first key, shape or dtype that differs.
     """
     param_leaves, param_spec = pytree.tree_flatten(params)
     all_leaves, own_specs = [], []
@@ -94,13 +94,18 @@ def leaves_like_params(
                 difference = _first_difference(params, tree, what)
                 raise ValueError(f"{name}: {what} must have the params' structure, but {difference}{hint}") from None
         for index, (param, leaf) in enumerate(zip(param_leaves, leaves, strict=True)):
-            if isinstance(param, torch.Tensor) and not (isinstance(leaf, torch.Tensor) and leaf.shape == param.shape):
+            if not isinstance(param, torch.Tensor):
+                continue
+            if not (isinstance(leaf, torch.Tensor) and leaf.shape == param.shape):
                 # Key paths only for the message: flattening with them costs ~10x a plain flatten.
                 key = pytree.keystr(pytree.tree_flatten_with_path(params)[0][index][0])
                 found = f"shape {tuple(leaf.shape)}" if isinstance(leaf, torch.Tensor) else f"a {type(leaf).__name__}"
                 raise ValueError(
                     f"{name}: {what}{key} is {found}, but params{key} has shape {tuple(param.shape)}{hint}"
                 )
+            if leaf.dtype != param.dtype:  # torch would promote the new params to it, or fail inside an op
+                key = pytree.keystr(pytree.tree_flatten_with_path(params)[0][index][0])
+                raise ValueError(f"{name}: {what}{key} is {leaf.dtype}, but params{key} is {param.dtype}{hint}")
         all_leaves.append(leaves)
     return param_spec, param_leaves, all_leaves, own_specs
 

@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 
 from fmp._checks import check_real
 from fmp.optim._base import Optimizer
+from fmp.tree import check_no_opaque_leaves
 from fmp.tree import is_inexact_tensor
 
 __all__ = ["clip_by_global_norm", "clip_tree_by_global_norm", "global_norm"]
@@ -36,7 +37,9 @@ def global_norm(tree: Any) -> torch.Tensor:
         A 0-dim tensor on the first leaf's device: 0 (on the CPU) for a tree without such leaves,
         non-finite if any leaf is.
     """
-    leaves = [leaf for leaf in pytree.tree_leaves(tree) if is_inexact_tensor(leaf)]
+    all_leaves = pytree.tree_leaves(tree)
+    check_no_opaque_leaves(all_leaves, tree, "global_norm: tree")
+    leaves = [leaf for leaf in all_leaves if is_inexact_tensor(leaf)]
     if not leaves:
         return torch.zeros(())
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}

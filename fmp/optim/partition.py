@@ -84,6 +84,8 @@ def partition(optimizers: Mapping[str, Optimizer], label: LabelFn) -> Optimizer:
     if not isinstance(optimizers, Mapping) or not optimizers:
         raise ValueError("partition needs a non-empty dict of fmp optimizers by group name")
     for group, optimizer in optimizers.items():
+        if not isinstance(group, str):
+            raise TypeError(f"partition's group names must be str (label returns one), got {group!r}")
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"optimizers[{group!r}] must be an fmp.optim.Optimizer, got {type(optimizer).__name__}")
     if not callable(label):

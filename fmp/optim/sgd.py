@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 import torch.utils._pytree as pytree
 
+from fmp._checks import check_bool
 from fmp._checks import check_real
 from fmp.optim._base import LearningRate
 from fmp.optim._base import Optimizer
@@ -84,6 +85,7 @@ def sgd(
     momentum = check_real("momentum", momentum, 0.0, 1.0, high_inclusive=True)
     dampening = check_real("dampening", dampening, 0.0, 1.0, high_inclusive=True)
     weight_decay = check_real("weight_decay", weight_decay, 0.0, math.inf)
+    nesterov = check_bool("nesterov", nesterov)
     if nesterov and (momentum == 0.0 or dampening != 0.0):
         raise ValueError("nesterov momentum needs momentum > 0 and dampening == 0")
 
