@@ -90,12 +90,18 @@ def _check_name(name: str, where: str) -> None:
         raise ValueError(f"unknown op {name!r} in autocast {where}{hint}")
 
 
+def _check_value(name: str, value: Any, what: str) -> None:
+    if isinstance(value, torch.dtype) and not value.is_floating_point:
+        raise TypeError(f"autocast {what} for {name!r} must cast to a floating dtype, got {value}")
+
+
 def _checked_rules(rules: Mapping[Any, Override]) -> dict[str, Override]:
     """A custom rule set keyed by op name, each name checked as an override's is."""
     checked: dict[str, Override] = {}
     for op, value in rules.items():
         name = _op_name(op)
         _check_name(name, "rules")
+        _check_value(name, value, "rule")
         checked[name] = value
     return checked
 
@@ -109,8 +115,7 @@ def _merge(rules: Mapping[str, Override], overrides: Mapping[Any, Override] | No
         name = _op_name(op)
         if name not in rules:
             _check_name(name, "overrides")
-        if isinstance(value, torch.dtype) and not value.is_floating_point:
-            raise TypeError(f"autocast override for {name!r} must cast to a floating dtype, got {value}")
+        _check_value(name, value, "override")
         merged[name] = value
     return merged
 

@@ -362,16 +362,19 @@ class DynamicLossScale(_TensorScale):
             raise ValueError(
                 f"not a GradScaler or fmp.DynamicLossScale state_dict: missing keys {missing}, unknown keys {unknown}"
             )
-        scaler = cls.create(
-            init_scale=_scale_tensor(state_dict["scale"], "state_dict['scale']", device),
-            growth_factor=state_dict["growth_factor"],
-            backoff_factor=state_dict["backoff_factor"],
-            growth_interval=state_dict["growth_interval"],
-            min_scale=state_dict.get("min_scale", _FLOAT32_TINY),
-            max_scale=state_dict.get("max_scale", _FLOAT32_MAX),
-            hysteresis=state_dict.get("hysteresis", 1),
-            device=device,
-        )
+        try:
+            scaler = cls.create(
+                init_scale=_scale_tensor(state_dict["scale"], "state_dict['scale']", device),
+                growth_factor=state_dict["growth_factor"],
+                backoff_factor=state_dict["backoff_factor"],
+                growth_interval=state_dict["growth_interval"],
+                min_scale=state_dict.get("min_scale", _FLOAT32_TINY),
+                max_scale=state_dict.get("max_scale", _FLOAT32_MAX),
+                hysteresis=state_dict.get("hysteresis", 1),
+                device=device,
+            )
+        except (TypeError, ValueError) as error:  # create's argument names, as the dict's keys
+            raise type(error)(f"state_dict: {str(error).replace('init_scale', 'scale')}") from None
         tracker = check_int("_growth_tracker", state_dict["_growth_tracker"], 0, scaler.growth_interval - 1)
         streak = check_int("overflow_streak", state_dict.get("overflow_streak", 0), 0, _INT32_MAX)
         like = scaler.growth_tracker

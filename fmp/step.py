@@ -32,6 +32,7 @@ from fmp.policy import Policy
 from fmp.state import StepCounts
 from fmp.state import TrainState
 from fmp.state import check_optimizer
+from fmp.tree import check_finite_flag
 from fmp.tree import donate_into
 from fmp.tree import select_tree
 from fmp.tree import tree_device
@@ -186,6 +187,9 @@ def train_step(
         gradients = reduce_grads(gradients)
         if not isinstance(gradients, Gradients):
             raise TypeError(f"reduce_grads must return fmp.Gradients, got {type(gradients).__name__}")
+        check_finite_flag(gradients.grads_finite, "reduce_grads' grads_finite")
+        for index, flag in enumerate(pytree.tree_leaves(gradients.finite_per_loss)):
+            check_finite_flag(flag, f"reduce_grads' finite_per_loss[{index}]")
     grads, grads_finite, loss, aux, finite_per_loss = gradients
     accumulator = state.accumulator
     if isinstance(accumulator, GradientAccumulator):

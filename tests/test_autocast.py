@@ -329,6 +329,8 @@ def test_custom_rule_sets_are_checked_and_keyed_as_overrides() -> None:
     assert autocast(operator.matmul, torch.bfloat16, rules=rules)(x, x).dtype == torch.bfloat16
     with pytest.raises(ValueError, match=r"unknown op 'sofmax' in autocast rules; did you mean 'softmax'\?"):
         autocast(torch.softmax, torch.bfloat16, rules={**CPU, "sofmax": Cast.FLOAT32})
+    with pytest.raises(TypeError, match=r"autocast rule for 'softmax' must cast to a floating dtype, got torch.int8"):
+        autocast(torch.softmax, torch.bfloat16, rules={**CPU, "softmax": torch.int8})
 
 
 def test_a_custom_op_registered_after_the_names_were_read_is_known() -> None:

@@ -244,6 +244,8 @@ def test_one_rank_is_the_local_step_and_bad_arguments_are_named(group_of_one: No
         reduce(gradients._replace(grads={"w": torch.ones(3, dtype=torch.long)}))
     with pytest.raises(ValueError, match=r"bucket_cap_mb must be in \(0.0, inf\)"):
         reduce(gradients, bucket_cap_mb=0)
+    with pytest.raises(TypeError, match=r"loss_scale must be a 0-dim floating tensor such as scaler\.loss_scale"):
+        reduce(gradients, loss_scale=fmp.DynamicLossScale.create())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="collectives must be 'functional' or 'eager'"):
         reduce(gradients, collectives="nccl")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"group must be a torch\.distributed\.ProcessGroup or None, got str"):

@@ -94,6 +94,11 @@ def test_a_stacked_state_dict_names_unstack_tree() -> None:
         ({**torch.amp.GradScaler("cpu").state_dict(), "_growth_tracker": 2000}, ValueError, "_growth_tracker must be"),
         ({**torch.amp.GradScaler("cpu").state_dict(), "growth_factor": "2"}, TypeError, "growth_factor must be"),
         ([("scale", 1.0)], TypeError, "state_dict must be a mapping"),
+        (
+            {**torch.amp.GradScaler("cpu").state_dict(), "scale": 1e-3, "min_scale": 1.0},
+            ValueError,
+            r"state_dict: scale \(0\.0010.*\) must lie in \[min_scale, max_scale\]",
+        ),
     ],
 )
 def test_corrupt_or_mismatched_state_dicts_are_named(state_dict: object, error: type, message: str) -> None:

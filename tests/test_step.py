@@ -459,3 +459,16 @@ def test_with_policy_evaluates_the_loss_the_step_reported(policy: str) -> None:
     assert torch.equal(bits(evaluated), bits(info.loss))
     with pytest.raises(TypeError, match=r"policy must be an fmp\.Policy"):
         fmp.with_policy(mlp_loss, "c=bf16")  # type: ignore[arg-type]
+
+
+def test_flags_that_reduce_grads_returns_are_checked_by_name() -> None:
+    optimizer = fmp.optim.sgd(0.1)
+    state = fmp.TrainState.create(mlp_params(), optimizer, fmp.NoOpLossScale())
+    step = functools.partial(fmp.train_step, mlp_loss, state, *batch(), policy=fmp.Policy(), optimizer=optimizer)
+    with pytest.raises(TypeError, match="reduce_grads' grads_finite must be a 0-dim bool tensor, got bool"):
+        step(reduce_grads=lambda g: g._replace(grads_finite=True))
+    with pytest.raises(ValueError, match=r"reduce_grads' finite_per_loss\[0\] must be a 0-dim bool tensor"):
+        step(reduce_grads=lambda g: g._replace(finite_per_loss=g.grads_finite.float()))
+    with pytest.raises(ValueError, match=r"partition: grads must have the params' structure, but they differ"):
+        part = fmp.optim.partition({"all": optimizer}, lambda name, p: "all")
+        part.update({"w1": torch.ones(8, 8)}, part.init(mlp_params()), mlp_params())

@@ -198,6 +198,15 @@ def all_reduce_gradients(
     _check_collectives(collectives)
     cap_bytes = int(check_real("bucket_cap_mb", bucket_cap_mb, 0.0, float("inf"), low_inclusive=False) * 2**20)
     group, world = resolve_group(group, "fmp.distributed.all_reduce_gradients")
+    if loss_scale is not None and not (
+        isinstance(loss_scale, torch.Tensor) and loss_scale.dim() == 0 and loss_scale.is_floating_point()
+    ):
+        got = (
+            f"shape {tuple(loss_scale.shape)} {loss_scale.dtype}"
+            if isinstance(loss_scale, torch.Tensor)
+            else type(loss_scale).__name__
+        )
+        raise TypeError(f"loss_scale must be a 0-dim floating tensor such as scaler.loss_scale, or None; got {got}")
     grads, grads_finite, loss, aux, finite_per_loss = gradients
     check_finite_flag(grads_finite, "gradients.grads_finite")
     flags, flags_spec = pytree.tree_flatten(finite_per_loss)

@@ -10,6 +10,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fmp.optim._base import Optimizer
+from fmp.optim._base import leaves_like_params
 
 __all__ = ["partition"]
 
@@ -107,8 +108,7 @@ def partition(optimizers: Mapping[str, Optimizer], label: LabelFn) -> Optimizer:
                 f"was it created by another optimizer's init?"
             )
         groups = _groups(params, label, optimizers)
-        param_leaves, spec = pytree.tree_flatten(params)
-        grad_leaves = spec.flatten_up_to(grads)
+        spec, param_leaves, (grad_leaves,), _ = leaves_like_params("partition", params, {"grads": grads})
         new_leaves: list[Any] = list(param_leaves)
         new_state = {}
         for group in state:  # the state's own key order: a skipped step keeps the state as it came
