@@ -134,12 +134,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--compile", action="store_true", help="run the step under torch.compile(fullgraph=True)")
+    parser.add_argument(
+        "--bf16-params",
+        action="store_true",
+        help="keep params and AdamW's moments in bfloat16 (no float32 copy), updated with stochastic rounding",
+    )
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     model = GPT(args.vocab, args.length, args.width, args.layers, args.heads).to(device)
-    policy = fmp.get_policy(f"params=float32,compute={args.dtype},output=float32")
+    param_dtype = "bfloat16" if args.bf16_params else "float32"
+    policy = fmp.get_policy(f"params={param_dtype},compute={args.dtype},output=float32")
 
     def loss_fn(
         params: dict[str, torch.Tensor], tokens: torch.Tensor, targets: torch.Tensor, poison: torch.Tensor
@@ -154,7 +160,9 @@ def main() -> None:
     groups = {"decay": fmp.optim.adamw(lr, weight_decay=0.1), "no_decay": fmp.optim.adamw(lr, weight_decay=0.0)}
     decayed = fmp.optim.partition(groups, lambda name, param: "decay" if param.dim() >= 2 else "no_decay")
     optimizer = fmp.optim.clip_by_global_norm(decayed, args.clip)
-    params = {name: p.detach() for name, p in model.named_parameters()}
+    if args.bf16_params:  # rounded to nearest, AdamW's small late updates would vanish in bfloat16
+        optimizer = fmp.optim.stochastic_rounding(optimizer, seed=args.seed, state_dtype=torch.bfloat16)
+    params = policy.cast_to_param({name: p.detach() for name, p in model.named_parameters()})
     scaler = fmp.DynamicLossScale.create(growth_interval=args.growth_interval)
     state = fmp.TrainState.create(params, optimizer, scaler, accumulation_steps=args.accumulate)
     step: Callable[..., tuple[fmp.TrainState, fmp.StepInfo]] = functools.partial(

@@ -55,9 +55,9 @@ def test_readme_fast_path_runs_after_the_quickstart() -> None:
     assert int(steps) == 11 and float(scale) == 2.0**16
 
 
-def run_transformer_lm(plot: Path, env: dict[str, str] | None = None) -> str:
+def run_transformer_lm(plot: Path, env: dict[str, str] | None = None, *extra: str) -> str:
     args = ["--steps", "6", "--accumulate", "2", "--poison-step", "3", "--growth-interval", "2", "--layers", "1"]
-    args += ["--width", "32", "--length", "16", "--batch", "8", "--plot", str(plot)]
+    args += ["--width", "32", "--length", "16", "--batch", "8", "--plot", str(plot), *extra]
     result = run_example("transformer_lm.py", args, env)
     assert re.search(r"step 6/6 loss \S+ grad norm \S+ scale", result.stderr)  # the progress bar
     return result.stdout
@@ -71,6 +71,14 @@ def test_transformer_lm_skips_the_poisoned_step_and_saves_its_plot(tmp_path: Pat
     assert last < first
     assert f"plot saved to {tmp_path / 'lm.png'}" in stdout
     assert (tmp_path / "lm.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_transformer_lm_trains_bfloat16_params_without_a_float32_copy(tmp_path: Path) -> None:
+    stdout = run_transformer_lm(tmp_path / "lm.png", None, "--bf16-params")
+    assert "policy params=bfloat16,compute=bfloat16,output=float32" in stdout
+    assert "steps applied 5 skipped 1; final loss scale 131072;" in stdout
+    first, last = map(float, re.findall(r"first step (\S+) .* last applied steps (\S+)", stdout)[0])
+    assert last < first
 
 
 def test_transformer_lm_runs_without_matplotlib(tmp_path: Path) -> None:
