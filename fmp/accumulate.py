@@ -20,6 +20,7 @@ from fmp._struct import replace
 from fmp._struct import static_field
 from fmp.grad import ScalerTree
 from fmp.tree import all_finite
+from fmp.tree import check_finite_flag
 from fmp.tree import tree_device
 
 __all__ = ["AccumulatedGradients", "GradientAccumulator"]
@@ -99,6 +100,25 @@ class GradientAccumulator:
             steps=steps,
         )
 
+    def _check_like_sums(self, grads: Any) -> None:
+        """Raises a ValueError naming the first key or shape where `grads` differs from the sums."""
+        sum_leaves, spec = pytree.tree_flatten(self.grads)
+        try:
+            grad_leaves = spec.flatten_up_to(grads)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"GradientAccumulator.add: grads have another structure than the accumulator's sums, "
+                f"{pytree.tree_structure(grads)} vs {spec}: was it made for other params?"
+            ) from None
+        for index, (total, grad) in enumerate(zip(sum_leaves, grad_leaves, strict=True)):
+            if not (isinstance(grad, torch.Tensor) and grad.shape == total.shape):
+                path = pytree.tree_flatten_with_path(self.grads)[0][index][0]
+                found = f"shape {tuple(grad.shape)}" if isinstance(grad, torch.Tensor) else f"a {type(grad).__name__}"
+                raise ValueError(
+                    f"GradientAccumulator.add: grads{pytree.keystr(path)} is {found}, but its sum has shape "
+                    f"{tuple(total.shape)}: was the accumulator made for other params?"
+                )
+
     def add(self, grads: Any, grads_finite: torch.Tensor, finite_per_loss: Any) -> AccumulatedGradients:
         """Adds one micro-batch's unscaled gradients; branch-free.
 
@@ -109,7 +129,22 @@ class GradientAccumulator:
 
         Returns:
             The window's mean and flags, and the accumulator for the next micro-batch.
+
+        Raises:
+            TypeError, ValueError: If a flag is not a 0-dim bool tensor, `finite_per_loss` has
+                another number of flags than the accumulator was made for, or a gradient's
+                key or shape differs from its sum's.
         """
+        check_finite_flag(grads_finite)
+        ours, theirs = pytree.tree_structure(self.finite_per_loss), pytree.tree_structure(finite_per_loss)
+        if ours != theirs:
+            raise ValueError(
+                f"the accumulator was made for {pytree.tree_structure(self.finite_per_loss).num_leaves} loss-scale "
+                f"state(s) but finite_per_loss holds {theirs.num_leaves}: rebuild it with TrainState.create"
+            )
+        for index, flag in enumerate(pytree.tree_leaves(finite_per_loss)):
+            check_finite_flag(flag, f"finite_per_loss[{index}]")
+        self._check_like_sums(grads)
         sums = pytree.tree_map(lambda total, g: total + g.to(total.dtype), self.grads, grads)
         micro_batches_finite = self.grads_finite & grads_finite
         window_finite = micro_batches_finite & all_finite(sums)

@@ -246,3 +246,19 @@ def test_a_window_sum_that_overflows_backs_off_every_loss_scale() -> None:
     assert not bool(info.applied)
     assert_trees_bitwise_equal(state.params, before.params)
     assert [float(s.loss_scale) for s in state.scaler] == [0.5, 0.5]
+
+
+def test_add_names_gradients_or_flags_that_do_not_fit_the_window() -> None:
+    params = {"w": torch.zeros(4), "b": torch.zeros(1)}
+    accumulator = fmp.GradientAccumulator.create(params, fmp.NoOpLossScale(), 2)
+    ok = torch.ones((), dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"grads\['b'\] is shape \(2,\), but its sum has shape \(1,\)"):
+        accumulator.add({"w": torch.ones(4), "b": torch.ones(2)}, ok, ok)  # would broadcast into the sum
+    with pytest.raises(ValueError, match="grads have another structure than the accumulator's sums"):
+        accumulator.add({"w": torch.ones(4)}, ok, ok)
+    with pytest.raises(ValueError, match=r"grads_finite must be a 0-dim bool tensor"):
+        accumulator.add(params, torch.tensor(1.0), ok)
+    with pytest.raises(ValueError, match=r"made for 1 loss-scale state\(s\) but finite_per_loss holds 2"):
+        accumulator.add(params, ok, (ok, ok))
+    mean = accumulator.add({"b": torch.ones(1), "w": torch.ones(4)}, ok, ok).grads  # keys in another order
+    assert torch.equal(mean["w"], torch.full((4,), 0.5))
