@@ -139,7 +139,7 @@ class GradientAccumulator:
         ours, theirs = pytree.tree_structure(self.finite_per_loss), pytree.tree_structure(finite_per_loss)
         if ours != theirs:
             raise ValueError(
-                f"the accumulator was made for {pytree.tree_structure(self.finite_per_loss).num_leaves} loss-scale "
+                f"the accumulator was made for {ours.num_leaves} loss-scale "
                 f"state(s) but finite_per_loss holds {theirs.num_leaves}: rebuild it with TrainState.create"
             )
         for index, flag in enumerate(pytree.tree_leaves(finite_per_loss)):
