@@ -320,10 +320,13 @@ class GradientBuffer:
         self._versions_at_unscale = tuple(buffer._version for buffer in buffers)
 
     def _check_owns(self, optimizer: torch.optim.Optimizer) -> None:
-        """Raises unless every parameter `optimizer` steps is one of this buffer's (unscaled by `unscale_`)."""
+        """Raises unless every parameter `optimizer` steps is one of this buffer's (unscaled by `unscale_`).
+
+        A parameter without a gradient (a frozen one) is not stepped, so it may lie outside.
+        """
         for group_index, group in enumerate(optimizer.param_groups):
             for index, param in enumerate(group["params"]):
-                if id(param) not in self._param_ids:
+                if param.grad is not None and id(param) not in self._param_ids:
                     raise ValueError(
                         f"the optimizer steps param_groups[{group_index}]['params'][{index}] "
                         f"(shape {tuple(param.shape)}, {param.dtype}), which this GradientBuffer does not hold: "

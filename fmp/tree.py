@@ -44,10 +44,13 @@ def is_inexact_tensor(leaf: Any) -> bool:
 
 
 # Containers that pytrees do not open: each is one leaf, so the tensors in it would go unseen.
-_OPAQUE_CONTAINERS = (Iterator, KeysView, ValuesView, ItemsView, Set, torch.nn.Module)
+# Iterators and dict views stand for a tree by mistake; a Module or a set may also be a genuine
+# non-tensor argument (a model passed to the loss function for functional_call).
+_ITERABLE_VIEWS = (Iterator, KeysView, ValuesView, ItemsView)
+_OPAQUE_CONTAINERS = (*_ITERABLE_VIEWS, Set, torch.nn.Module)
 
 
-def check_no_opaque_leaves(leaves: list[Any], tree: Any, name: str) -> None:
+def check_no_opaque_leaves(leaves: list[Any], tree: Any, name: str, *, allow_modules: bool = False) -> None:
     """Raises a TypeError if one of `tree`'s `leaves` is a container that pytrees treat as a leaf.
 
     A generator (`model.parameters()`), a dict view (`grads.values()`), a set or a Module holds
@@ -58,9 +61,11 @@ def check_no_opaque_leaves(leaves: list[Any], tree: Any, name: str) -> None:
         leaves: `tree`'s leaves, as the caller already flattened them.
         tree: The tree, for the leaf's path in the message.
         name: What the tree is called in the message, e.g. "all_finite: tree".
+        allow_modules: Let Modules and sets through (for trees of arguments, where they pass untouched).
     """
+    refused = _ITERABLE_VIEWS if allow_modules else _OPAQUE_CONTAINERS
     for index, leaf in enumerate(leaves):
-        if isinstance(leaf, _OPAQUE_CONTAINERS):
+        if isinstance(leaf, refused):
             path = pytree.keystr(pytree.tree_flatten_with_path(tree)[0][index][0])
             raise TypeError(
                 f"{name}{path} is a {type(leaf).__name__}, which pytrees keep as one opaque leaf, so the tensors "
@@ -97,12 +102,13 @@ def cast_floating(tree: Tree, dtype: torch.dtype) -> Tree:
         A tree of the same structure.
 
     Raises:
-        TypeError: If `dtype` is not a floating-point `torch.dtype`, or a leaf is a container that
-            pytrees do not open (a generator such as `model.parameters()`, a dict view, a Module).
+        TypeError: If `dtype` is not a floating-point `torch.dtype`, or a leaf is an iterator or a
+            dict view (`model.parameters()`, `grads.values()`), which pytrees do not open. A Module
+            leaf (a model passed as an argument) passes untouched.
     """
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"cast_floating: dtype must be a floating-point torch.dtype, got {dtype!r}")
-    check_no_opaque_leaves(pytree.tree_leaves(tree), tree, "cast_floating: tree")
+    check_no_opaque_leaves(pytree.tree_leaves(tree), tree, "cast_floating: tree", allow_modules=True)
     return cast(Tree, pytree.tree_map(lambda x: x.to(dtype) if is_floating_tensor(x) and x.dtype != dtype else x, tree))
 
 

@@ -367,6 +367,8 @@ def test_step_names_an_optimizer_parameter_outside_the_buffer() -> None:
     model, other = make_model(), torch.nn.Linear(2, 1)
     buffer = fmp.GradientBuffer.attach(model.parameters())
     optimizer = torch.optim.AdamW([*model.parameters(), *other.parameters()], fused=True)
+    for param in other.parameters():
+        param.grad = torch.ones_like(param)  # written by a backward, never unscaled
     before = [p.detach().clone() for p in [*model.parameters(), *other.parameters()]]
     with pytest.raises(
         ValueError, match=r"param_groups\[0\]\['params'\]\[\d+\] \(shape \(1, 2\), torch.float32\), which this"
@@ -374,3 +376,10 @@ def test_step_names_an_optimizer_parameter_outside_the_buffer() -> None:
         buffer.step(optimizer, torch.tensor(True))
     after = [*model.parameters(), *other.parameters()]
     assert all(torch.equal(p, b) for p, b in zip(after, before, strict=True))
+    # Frozen parameters (no gradient) outside the buffer are not stepped: fine-tuning with an optimizer
+    # over model.parameters() and a buffer over the trainable ones.
+    for param in other.parameters():
+        param.grad = None
+    other.requires_grad_(False)
+    buffer.step(optimizer, torch.tensor(True))
+    assert all(torch.equal(p, b) for p, b in zip(other.parameters(), before[-2:], strict=True))

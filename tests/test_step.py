@@ -472,3 +472,17 @@ def test_flags_that_reduce_grads_returns_are_checked_by_name() -> None:
     with pytest.raises(ValueError, match=r"partition: grads must have the params' structure, but they differ"):
         part = fmp.optim.partition({"all": optimizer}, lambda name, p: "all")
         part.update({"w1": torch.ones(8, 8)}, part.init(mlp_params()), mlp_params())
+
+
+@pytest.mark.parametrize("policy", ["params=float32,compute=float32,output=float32", "c=bf16,rules=none", "c=bf16"])
+def test_a_model_passed_to_loss_fn_as_an_argument_passes_through(policy: str) -> None:
+    model = torch.nn.Linear(8, 1)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    optimizer = fmp.optim.sgd(0.1)
+
+    def loss_fn(p: Any, module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(torch.func.functional_call(module, p, (x,)), y)
+
+    state = fmp.TrainState.create(params, optimizer, fmp.NoOpLossScale())
+    _, info = fmp.train_step(loss_fn, state, model, *batch(), policy=fmp.get_policy(policy), optimizer=optimizer)
+    assert bool(info.applied)
