@@ -8,6 +8,7 @@ its own overflow. Nothing here reads a tensor's value on the host.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
@@ -181,19 +182,23 @@ def _check_reads_no_module_parameters(loss: Any) -> None:
             )
 
 
-def _check_depends_on_params(loss: torch.Tensor, which: str, params: Any) -> None:
-    """Raises if `loss`, inside `torch.func.grad`, is not computed from `params` (its gradients would be zeros).
+def _warn_unless_depends_on_params(loss: torch.Tensor, which: str, params: Any) -> None:
+    """Warns if `loss`, inside `torch.func.grad`, is not computed from `params` (its gradients are zeros).
 
     Inside the transform a loss tracks the params exactly when it requires grad: a static property,
-    read without a sync. Eager only, as the module-parameter check.
+    read without a sync. A warning, not an error: a loss may be constant on purpose (a term not yet
+    switched on, an empty batch), though more often it was detached by mistake. Eager only, as the
+    module-parameter check, which raises first where it applies.
     """
     if torch.compiler.is_compiling() or loss.requires_grad or not pytree.tree_leaves(params):
         return
-    _check_reads_no_module_parameters(loss)  # the more specific message, where it applies
-    raise ValueError(
-        f"loss_fn's {which} does not depend on params, so every gradient would be zero: it was detached, "
-        f"computed under torch.no_grad, rebuilt from .item(), or the model was called as model(x), whose "
-        f"weights are not params; call it as torch.func.functional_call(model, params, (x,))"
+    _check_reads_no_module_parameters(loss)
+    warnings.warn(
+        f"loss_fn's {which} does not depend on params, so its gradients are all zero (weight decay and "
+        f"momentum still move the params): was it detached, computed under torch.no_grad or rebuilt from "
+        f".item(), or the model called as model(x) instead of torch.func.functional_call(model, params, (x,))?",
+        UserWarning,
+        stacklevel=2,
     )
 
 
@@ -310,7 +315,9 @@ def mixed_precision_grad(
     def grad_of_loss(index: int) -> tuple[Any, tuple[Any, Any]]:
         def scaled_loss_fn(params: Any, *args: Any) -> tuple[torch.Tensor, tuple[Any, Any]]:
             scaled, loss_and_aux = scaled_losses_fn(params, *args)
-            _check_depends_on_params(scaled[index], f"loss {index}" if isinstance(scaler, tuple) else "loss", params)
+            _warn_unless_depends_on_params(
+                scaled[index], f"loss {index}" if isinstance(scaler, tuple) else "loss", params
+            )
             return scaled[index], loss_and_aux
 
         # `args` go in as inputs, not captured: torch.func refuses in-place updates of captured

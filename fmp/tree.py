@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import ItemsView
 from collections.abc import Iterator
 from collections.abc import KeysView
@@ -347,7 +348,7 @@ def stack_trees(trees: list[Tree]) -> Tree:
     return cast(Tree, pytree.tree_unflatten(stacked, spec))
 
 
-def unstack_tree(tree: Tree, index: int) -> Tree:
+def unstack_tree(tree: Tree, index: int | torch.Tensor) -> Tree:
     """The `index`-th member of a tree stacked by `stack_trees` (a view of each leaf's slice).
 
     The leaves view the whole stack's storage, which `torch.save` writes out in full: clone the
@@ -357,7 +358,12 @@ def unstack_tree(tree: Tree, index: int) -> Tree:
         TypeError: If `index` is not an int, or a leaf is not a tensor.
         ValueError: If a leaf is 0-dim (not stacked) or `index` is out of range for the stack.
     """
-    if isinstance(index, bool) or not isinstance(index, int):
+    if isinstance(index, torch.Tensor):  # e.g. losses.argmin(): torch checks its range on indexing
+        if index.dim() != 0 or index.is_floating_point() or index.dtype == torch.bool:
+            raise TypeError(
+                f"unstack_tree: a tensor index must be a 0-dim integer, got {index.dtype} {tuple(index.shape)}"
+            )
+    elif isinstance(index, bool) or not hasattr(index, "__index__"):
         raise TypeError(f"unstack_tree: index must be an int, got {type(index).__name__}")
     leaves, spec = pytree.tree_flatten(tree)
     sizes = set()
@@ -370,6 +376,6 @@ def unstack_tree(tree: Tree, index: int) -> Tree:
         sizes.add(leaf.shape[0])
     if len(sizes) > 1:
         raise ValueError(f"unstack_tree: the leaves' leading sizes differ ({sorted(sizes)}): not one stack")
-    if sizes and not -min(sizes) <= index < min(sizes):
+    if sizes and not isinstance(index, torch.Tensor) and not -min(sizes) <= operator.index(index) < min(sizes):
         raise ValueError(f"unstack_tree: index {index} is out of range for a stack of {min(sizes)}")
     return cast(Tree, pytree.tree_unflatten([leaf[index] for leaf in leaves], spec))

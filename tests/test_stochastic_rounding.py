@@ -227,3 +227,12 @@ def test_a_compiled_step_is_one_graph_across_updates_and_matches_eager() -> None
     # alike; the float32 update itself may differ in the last bit once inductor fuses it.
     for compiled_leaf, eager_leaf in zip(state.params.values(), eager_state.params.values(), strict=True):
         torch.testing.assert_close(compiled_leaf, eager_leaf, rtol=2**-7, atol=1e-6)
+
+
+def test_a_bfloat16_state_keeps_0_dim_leaves_in_float32() -> None:
+    # A counter or running scalar in bfloat16 would stop counting at 256.
+    inner = fmp.optim.Optimizer(lambda p: {"buffer": torch.zeros(3), "scalar": torch.zeros(())}, lambda g, s, p: (p, s))
+    state = fmp.optim.stochastic_rounding(inner, state_dtype=torch.bfloat16).init(
+        {"w": torch.zeros(3, dtype=torch.bfloat16)}
+    )
+    assert state.inner["buffer"].dtype == torch.bfloat16 and state.inner["scalar"].dtype == torch.float32

@@ -172,6 +172,7 @@ def test_containers_that_pytrees_do_not_open_are_named(kind: str) -> None:
 def test_unstack_tree_names_a_tree_that_is_not_a_stack() -> None:
     stacked = fmp.stack_trees([{"w": torch.zeros(2)}, {"w": torch.ones(2)}])
     assert torch.equal(fmp.unstack_tree(stacked, -1)["w"], torch.ones(2))
+    assert torch.equal(fmp.unstack_tree(stacked, torch.tensor(1))["w"], torch.ones(2))  # e.g. losses.argmin()
     with pytest.raises(TypeError, match="index must be an int, got bool"):
         fmp.unstack_tree(stacked, True)
     with pytest.raises(ValueError, match="index 2 is out of range for a stack of 2"):

@@ -39,6 +39,13 @@ def _to_float32(leaf: Any) -> Any:
     return leaf.to(torch.float32) if _is_bfloat16(leaf) else leaf
 
 
+def _state_leaf_to_bfloat16(leaf: Any) -> Any:
+    # Per-element buffers (moments) only: a 0-dim float32 leaf may be a counter or a running scalar,
+    # which bfloat16's 8 bits would hold too coarsely.
+    is_buffer = isinstance(leaf, torch.Tensor) and leaf.dtype == torch.float32 and leaf.dim() > 0
+    return leaf.to(torch.bfloat16) if is_buffer else leaf
+
+
 def _check_params(params: Any) -> None:
     for path, leaf in pytree.tree_flatten_with_path(params)[0]:
         if isinstance(leaf, torch.Tensor) and leaf.dtype == torch.float16:
@@ -58,9 +65,11 @@ def stochastic_rounding(optimizer: Optimizer, *, seed: int = 0, state_dtype: tor
     and its new params are rounded to bfloat16 with `fmp.stochastic_round`, whose result is
     unbiased: small updates add up on average.
 
-    Leaves in float32 or float64 pass through the inner optimizer exactly; float16 leaves are
-    refused. With `state_dtype=torch.bfloat16` the inner state's float32 leaves (Adam's moments)
-    are kept in bfloat16 too and rounded the same way, which halves the optimizer's memory as well.
+    Leaves in float32 or float64 pass through the inner optimizer exactly (with the default
+    `state_dtype`); float16 leaves are refused. With `state_dtype=torch.bfloat16` the inner state's
+    float32 leaves of one or more dimensions (Adam's moments, those of float32 params included)
+    are kept in bfloat16 too and rounded the same way, which halves the optimizer's memory as well;
+    0-dim float32 leaves (counters, running scalars) stay float32.
     The random bits come from `seed` and the state's update count (`step`), so the optimizer stays a pure
     function and needs no generator: a skipped mixed-precision step keeps it, and the next
     update draws what the skipped one would have. Nothing syncs with the host.
@@ -72,7 +81,7 @@ def stochastic_rounding(optimizer: Optimizer, *, seed: int = 0, state_dtype: tor
         optimizer: The pure optimizer to wrap, e.g. `fmp.optim.adamw(1e-3)`.
         seed: Chooses the random bits, an int in [0, 2**31).
         state_dtype: `torch.float32` (the default) or `torch.bfloat16`, the dtype of the inner state's
-            floating leaves.
+            per-element float32 leaves.
 
     Returns:
         An optimizer whose state is a `StochasticRoundingState`.
@@ -95,10 +104,7 @@ def stochastic_rounding(optimizer: Optimizer, *, seed: int = 0, state_dtype: tor
         _check_params(params)
         inner = optimizer.init(pytree.tree_map(_to_float32, params))
         if state_dtype == torch.bfloat16:
-            inner = pytree.tree_map(
-                lambda x: x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.dtype == torch.float32 else x,
-                inner,
-            )
+            inner = pytree.tree_map(_state_leaf_to_bfloat16, inner)
         return StochasticRoundingState(step_counter(params), inner)
 
     def update(grads: Any, state: Any, params: Any) -> tuple[Any, StochasticRoundingState]:
