@@ -320,18 +320,20 @@ class GradientBuffer:
         self._versions_at_unscale = tuple(buffer._version for buffer in buffers)
 
     def _check_owns(self, optimizer: torch.optim.Optimizer) -> None:
-        """Raises unless every parameter `optimizer` steps is one of this buffer's (unscaled by `unscale_`).
+        """Raises if `optimizer` steps a parameter whose gradient no GradientBuffer holds (no `unscale_` saw it).
 
-        A parameter without a gradient (a frozen one) is not stepped, so it may lie outside.
+        A parameter without a gradient (a frozen one) is not stepped, and one whose gradient is a
+        view (as every buffer's gradients are: one buffer per device, say) may be another buffer's.
         """
         for group_index, group in enumerate(optimizer.param_groups):
             for index, param in enumerate(group["params"]):
-                if param.grad is not None and id(param) not in self._param_ids:
+                grad = param.grad
+                if grad is not None and grad._base is None and id(param) not in self._param_ids:
                     raise ValueError(
                         f"the optimizer steps param_groups[{group_index}]['params'][{index}] "
-                        f"(shape {tuple(param.shape)}, {param.dtype}), which this GradientBuffer does not hold: "
-                        "unscale_ never unscaled its gradient, so it would be applied times the loss scale; "
-                        "attach the buffer to all of the optimizer's parameters"
+                        f"(shape {tuple(param.shape)}, {param.dtype}), whose gradient no GradientBuffer holds: "
+                        "unscale_ never unscaled it, so it would be applied times the loss scale; "
+                        "attach a buffer to every parameter the optimizer steps"
                     )
 
     def step(self, optimizer: torch.optim.Optimizer, grads_finite: torch.Tensor) -> None:

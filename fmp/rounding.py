@@ -28,7 +28,7 @@ def _mix32(h: torch.Tensor) -> torch.Tensor:
 
 
 def _stream_seed(key: torch.Tensor) -> torch.Tensor:
-    """The 32-bit seed of one key's element stream: distinct for keys whose low 32 bits differ.
+    """The 32-bit seed of one key's element stream: distinct for keys that differ in their low 32 bits only.
 
     Only multiplies, no xor-shift: inductor inlines this 0-dim value into the per-element kernel
     and expands each reuse of a value in the expression again, so a finalizer here (each of its

@@ -70,8 +70,8 @@ def check_no_opaque_leaves(leaves: list[Any], tree: Any, name: str, *, allow_mod
             path = pytree.keystr(pytree.tree_flatten_with_path(tree)[0][index][0])
             raise TypeError(
                 f"{name}{path} is a {type(leaf).__name__}, which pytrees keep as one opaque leaf, so the tensors "
-                f"in it would go unseen; pass a list or a dict (e.g. dict(model.named_parameters()) or "
-                f"[p.grad for p in model.parameters()])"
+                f"in it would go unseen; pass a list or a dict (e.g. [p.grad for p in model.parameters()] or "
+                f"{{k: v.detach() for k, v in model.named_parameters()}})"
             )
 
 

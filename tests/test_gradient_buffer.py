@@ -371,7 +371,7 @@ def test_step_names_an_optimizer_parameter_outside_the_buffer() -> None:
         param.grad = torch.ones_like(param)  # written by a backward, never unscaled
     before = [p.detach().clone() for p in [*model.parameters(), *other.parameters()]]
     with pytest.raises(
-        ValueError, match=r"param_groups\[0\]\['params'\]\[\d+\] \(shape \(1, 2\), torch.float32\), which this"
+        ValueError, match=r"param_groups\[0\]\['params'\]\[\d+\] \(shape \(1, 2\), torch.float32\), whose gradient no"
     ):
         buffer.step(optimizer, torch.tensor(True))
     after = [*model.parameters(), *other.parameters()]
@@ -383,3 +383,6 @@ def test_step_names_an_optimizer_parameter_outside_the_buffer() -> None:
     other.requires_grad_(False)
     buffer.step(optimizer, torch.tensor(True))
     assert all(torch.equal(p, b) for p, b in zip(other.parameters(), before[-2:], strict=True))
+    # Parameters in another buffer (one per device, say) are another unscale_'s.
+    fmp.GradientBuffer.attach(other.requires_grad_().parameters())
+    buffer.step(optimizer, torch.tensor(True))
