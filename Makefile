@@ -27,8 +27,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# One worker per test file (module fixtures, such as a shared compiled step, are built once), at
+# most 4: compiling dominates and runs one core per worker.
 test: lint typecheck
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --maxprocesses=4 --dist loadfile
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

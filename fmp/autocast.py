@@ -255,10 +255,10 @@ def autocast(
         fn: The function to transform.
         dtype: The lower dtype: torch.float16 or torch.bfloat16.
         rules: "cuda", "cpu", or a mapping of op name to `fmp.autocast_rules.Cast`.
-        overrides: Per-op changes on top of `rules`: op (a function such as `torch.softmax`, or its
-            name, e.g. "layer_norm"; `x @ y` is "matmul") -> a `Cast`, a floating dtype to always
-            cast to, or None for no cast. An override of an inner op (pow) applies to the calls
-            that reach it (`x.square()`).
+        overrides: Per-op changes on top of `rules`: op (a function such as `torch.softmax`, its
+            name, e.g. "layer_norm", or its path, e.g. "torch.fft.rfft"; `x @ y` is "matmul") -> a
+            `Cast`, a floating dtype to always cast to, or None for no cast. An override of an inner
+            op (pow) applies to the calls that reach it (`x.square()`).
 
     Returns:
         A function with `fn`'s signature.

@@ -39,21 +39,30 @@ _OPERATORS |= {"__add__": "add", "__radd__": "add", "__sub__": "sub", "__mul__":
 _OPERATORS |= {"__truediv__": "div", "__div__": "div", "__mod__": "remainder"}
 
 
-# Module paths a string key may carry, and what they become (torch.linalg.norm is named "linalg_norm");
-# longest first, so "torch.nn.functional." wins over "torch.".
-_PATH_PREFIXES = {
-    "torch.ops.aten.": "",
-    "torch.nn.functional.": "",
-    "torch.Tensor.": "",
-    "torch.linalg.": "linalg_",
-    "torch.special.": "special_",
-    "torch.": "",
-    "F.": "",
-    "Tensor.": "",
-}
+# Short module names a string key may start with, as users import them.
+_MODULE_ALIASES = {"F": "torch.nn.functional", "Tensor": "torch.Tensor"}
+
+
+def _function_written_out(key: str) -> Any:
+    """The object a dotted string such as "torch.fft.fft" or "F.linear" names; None for an op name."""
+    head, dot, rest = key.partition(".")
+    path = f"{_MODULE_ALIASES.get(head, head)}.{rest}".split(".")
+    if not dot or path[0] != "torch":
+        return None
+    found: Any = torch
+    for depth, attribute in enumerate(path[1:], start=1):
+        if not hasattr(found, attribute):
+            close = difflib.get_close_matches(attribute, dir(found), n=1)
+            hint = f"; did you mean {'.'.join([*path[:depth], close[0]])!r}?" if close else ""
+            raise ValueError(f"unknown op {key!r} in autocast: torch has nothing at that path{hint}")
+        found = getattr(found, attribute)
+    return found
 
 
 def _op_name(op: Any) -> str:
+    if isinstance(op, str):
+        # Keyed by what the function is called (torch.fft.fft is "fft_fft"), as if passed itself.
+        op = _function_written_out(op) or op
     if isinstance(op, type):
         raise TypeError(
             f"autocast override key {op.__qualname__} is a class; overrides take ops (a function such as "
@@ -62,9 +71,6 @@ def _op_name(op: Any) -> str:
     qualified = op.split("::")[-1] if isinstance(op, str) else getattr(op, "__name__", None)
     if not isinstance(qualified, str):
         raise TypeError(f"autocast override key {op!r} is neither an op name nor a function with a __name__")
-    if isinstance(op, str):  # a function written out as a string: "torch.softmax", "F.linear"
-        prefix = next((p for p in _PATH_PREFIXES if qualified.startswith(p)), "")
-        qualified = _PATH_PREFIXES.get(prefix, "") + qualified[len(prefix) :]
     name = qualified.split(".")[0]  # torch.ops.aten.mm.default is named "mm.default"
     return _OPERATORS.get(name, name)
 

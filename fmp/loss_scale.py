@@ -103,30 +103,38 @@ class NoOpLossScale:
         return self
 
 
-def _scale_tensor(value: Any, name: str, device: torch.device | str | None) -> torch.Tensor:
-    """Validates a scale given as a number or 0-dim tensor; returns it as a float32 tensor.
+def _checked_scale(value: Any, name: str) -> tuple[float, torch.device | None]:
+    """Validates a scale given as a number or 0-dim tensor; returns its float32 value and the tensor's device.
 
     The check is on the float32 value: it must be a normal number, so that it and 1/scale are finite.
+    It runs on the CPU, so that a state can then be built on any device, `meta` included.
     """
+    device = None
     if isinstance(value, torch.Tensor):
         if value.dim() != 0 or not value.is_floating_point():
             raise ValueError(f"{name} must be a 0-dim floating tensor, got {value.dtype}{list(value.shape)}")
-        device = value.device if device is None else device
+        if value.is_meta:
+            raise ValueError(f"{name} is a meta tensor, which holds no value: give a number (and device='meta')")
         # Validation at construction syncs once with the host; steps never do.
-        value = value.item()
+        value, device = value.item(), value.device
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     try:
-        number = float(value)
+        number = float(torch.tensor(float(value), dtype=torch.float32))
     except OverflowError:  # an int too large for any float
         number = math.inf
-    scale = torch.tensor(number, dtype=torch.float32, device=device)
-    if not _FLOAT32_TINY <= float(scale) <= _FLOAT32_MAX:
+    if not _FLOAT32_TINY <= number <= _FLOAT32_MAX:
         raise ValueError(
             f"{name} must be a positive, normal float32 in [{_FLOAT32_TINY}, {_FLOAT32_MAX}], got {value} "
             f"(a scale of 0, inf, NaN or a subnormal loses every gradient)"
         )
-    return scale
+    return number, device
+
+
+def _scale_tensor(value: Any, name: str, device: torch.device | str | None) -> torch.Tensor:
+    """A validated scale as a float32 tensor on `device` (by default a tensor's own device, else CPU)."""
+    number, own_device = _checked_scale(value, name)
+    return torch.tensor(number, dtype=torch.float32, device=own_device if device is None else device)
 
 
 def _float32_inward(bound: float, *, up: bool) -> float:
@@ -234,19 +242,19 @@ class DynamicLossScale(_TensorScale):
         Raises:
             TypeError, ValueError: Naming the bad argument and its allowed range.
         """
-        scale = _scale_tensor(init_scale, "init_scale", device)
+        scale, own_device = _checked_scale(init_scale, "init_scale")
         low = check_real("min_scale", min_scale, _FLOAT32_TINY, _FLOAT32_MAX, high_inclusive=True)
         high = check_real("max_scale", max_scale, low, _FLOAT32_MAX, high_inclusive=True)
         min_scale, max_scale = _float32_inward(low, up=True), _float32_inward(high, up=False)
         if min_scale > max_scale:
             raise ValueError(f"no float32 scale lies in [min_scale, max_scale] = [{low}, {high}]")
         # init_scale must lie within the bounds up to its own rounding to float32, then is clamped in.
-        if not _float32_inward(low, up=False) <= float(scale) <= _float32_inward(high, up=True):
-            raise ValueError(f"init_scale ({float(scale)}) must lie in [min_scale, max_scale] = [{low}, {high}]")
-        scale = scale.clamp(min_scale, max_scale)
-        zero = torch.zeros((), dtype=torch.int32, device=scale.device)
+        if not _float32_inward(low, up=False) <= scale <= _float32_inward(high, up=True):
+            raise ValueError(f"init_scale ({scale}) must lie in [min_scale, max_scale] = [{low}, {high}]")
+        device = own_device if device is None else device
+        zero = torch.zeros((), dtype=torch.int32, device=device)
         return cls(
-            loss_scale=scale,
+            loss_scale=torch.tensor(min(max(scale, min_scale), max_scale), dtype=torch.float32, device=device),
             growth_tracker=zero,
             overflow_streak=zero.clone(),
             growth_factor=check_real("growth_factor", growth_factor, 1.0, math.inf, low_inclusive=False),
@@ -363,15 +371,16 @@ class DynamicLossScale(_TensorScale):
                 f"not a GradScaler or fmp.DynamicLossScale state_dict: missing keys {missing}, unknown keys {unknown}"
             )
         try:
+            scale, own_device = _checked_scale(state_dict["scale"], "state_dict['scale']")
             scaler = cls.create(
-                init_scale=_scale_tensor(state_dict["scale"], "state_dict['scale']", device),
+                init_scale=scale,
                 growth_factor=state_dict["growth_factor"],
                 backoff_factor=state_dict["backoff_factor"],
                 growth_interval=state_dict["growth_interval"],
                 min_scale=state_dict.get("min_scale", _FLOAT32_TINY),
                 max_scale=state_dict.get("max_scale", _FLOAT32_MAX),
                 hysteresis=state_dict.get("hysteresis", 1),
-                device=device,
+                device=own_device if device is None else device,
             )
         except (TypeError, ValueError) as error:  # create's argument names, as the dict's keys
             raise type(error)(f"state_dict: {str(error).replace('init_scale', 'scale')}") from None

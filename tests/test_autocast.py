@@ -314,13 +314,30 @@ def test_bad_overrides_fail_before_any_compute(case: str) -> None:
 
 @pytest.mark.parametrize(
     ("key", "function"),
-    [("torch.softmax", torch.softmax), ("F.softmax", F.softmax), ("torch.linalg.norm", torch.linalg.norm)],
+    [
+        ("torch.softmax", torch.softmax),
+        ("F.softmax", F.softmax),
+        ("torch.nn.functional.softmax", F.softmax),
+        ("torch.linalg.norm", torch.linalg.norm),
+        ("torch.fft.rfft", torch.fft.rfft),
+        ("torch.special.log_softmax", torch.special.log_softmax),
+    ],
 )
 def test_a_function_written_out_as_a_string_keys_its_op(key: str, function: Any) -> None:
+    # float64 is a dtype no rule set picks: only the override can have cast the input.
     x = torch.randn(4, 4)
-    by_string = autocast(function, torch.bfloat16, overrides={key: torch.bfloat16})(x, -1)
-    by_function = autocast(function, torch.bfloat16, overrides={function: torch.bfloat16})(x, -1)
-    assert by_string.dtype == torch.bfloat16 and torch.equal(by_string, by_function)
+    by_string = autocast(function, torch.bfloat16, overrides={key: torch.float64})(x, dim=-1)
+    by_function = autocast(function, torch.bfloat16, overrides={function: torch.float64})(x, dim=-1)
+    assert by_string.dtype in (torch.float64, torch.complex128) and torch.equal(by_string, by_function)
+
+
+@pytest.mark.parametrize(
+    ("key", "suggestion"),
+    [("F.lnear", "torch.nn.functional.linear"), ("torch.fft.ftt", "torch.fft.fft"), ("torch.nope", "torch.ne")],
+)
+def test_a_string_path_to_nothing_in_torch_is_refused_with_the_closest_name(key: str, suggestion: str) -> None:
+    with pytest.raises(ValueError, match=rf"unknown op '{key}' in autocast: .*did you mean '{suggestion}'\?"):
+        autocast(torch.softmax, torch.bfloat16, overrides={key: None})
 
 
 def test_custom_rule_sets_are_checked_and_keyed_as_overrides() -> None:

@@ -353,6 +353,19 @@ def test_create_accepts_a_tensor_scale_and_a_device() -> None:
     assert state.growth_interval == 7 and type(state.growth_interval) is int and state.growth_factor == 1.5
 
 
+def test_states_build_on_the_meta_device_for_shape_only_runs() -> None:
+    # Validation reads the number on the CPU, never back from the target device.
+    dynamic = fmp.DynamicLossScale.create(init_scale=2.0**10, device="meta")
+    loaded = fmp.DynamicLossScale.from_state_dict(fmp.DynamicLossScale.create().state_dict(), device="meta")
+    static = fmp.StaticLossScale.create(4.0, device="meta")
+    for state in (dynamic, loaded, static):
+        assert all(t.is_meta for t in pytree.tree_leaves(state))
+        adjusted = state.adjust(torch.ones((), dtype=torch.bool, device="meta"))
+        assert type(adjusted) is type(state) and all(t.is_meta for t in pytree.tree_leaves(adjusted))
+    with pytest.raises(ValueError, match="init_scale is a meta tensor, which holds no value: give a number"):
+        fmp.DynamicLossScale.create(init_scale=torch.ones((), device="meta"))
+
+
 @pytest.mark.parametrize(
     "state", [fmp.NoOpLossScale(), fmp.StaticLossScale.create(2.0), fmp.DynamicLossScale.create()], ids=type
 )

@@ -107,7 +107,9 @@ def test_corrupt_or_mismatched_state_dicts_are_named(state_dict: object, error: 
 
 
 @pytest.mark.parametrize(
-    "optimizer", [fmp.optim.adamw(1e-2), fmp.optim.sgd(0.1, momentum=0.9), fmp.optim.sgd(0.1)], ids=str
+    "optimizer",
+    [fmp.optim.adamw(1e-2), fmp.optim.sgd(0.1, momentum=0.9), fmp.optim.sgd(0.1)],
+    ids=["adamw", "sgd-momentum", "sgd"],
 )
 @pytest.mark.parametrize(
     "scaler",

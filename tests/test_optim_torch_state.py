@@ -111,6 +111,29 @@ def test_converter_names_what_does_not_match() -> None:
         fmp.optim.from_torch_state_dict("adamw", [saved], params, 2)  # type: ignore[arg-type]
 
 
+def test_bad_group_settings_are_named_with_their_group() -> None:
+    saved, params = adamw_checkpoint()
+    group = saved["param_groups"][0]
+    for change, error, message in [
+        ({"betas": 0.9}, TypeError, "param group 0: betas must be a pair of numbers, got 0.9"),
+        ({"lr": torch.tensor([0.1, 0.2])}, ValueError, r"param group 0 has a lr of shape \[2\]"),
+        ({"lr": -1.0}, ValueError, r"param group 0: lr must be in \[0.0, inf\)"),
+        ({"eps": 0.0}, ValueError, "param group 0: adamw: eps must be > 0"),
+    ]:
+        with pytest.raises(error, match=message):
+            fmp.optim.from_torch_state_dict("adamw", {**saved, "param_groups": [{**group, **change}]}, params, 2)
+
+
+def test_state_keyed_by_string_ids_converts_as_by_int_ids() -> None:
+    # A checkpoint that went through JSON or YAML keys the state by "0", "1", ...
+    saved, params = adamw_checkpoint()
+    by_str = {**saved, "state": {str(key): entry for key, entry in saved["state"].items()}}
+    by_int_state = fmp.optim.from_torch_state_dict("adamw", saved, params, 2)[1]
+    by_str_state = fmp.optim.from_torch_state_dict("adamw", by_str, params, 2)[1]
+    leaves = [torch.utils._pytree.tree_leaves(state) for state in (by_int_state, by_str_state)]
+    assert all(torch.equal(a, b) for a, b in zip(*leaves, strict=True))
+
+
 def test_stateless_and_unstepped_optimizers_convert_to_a_fresh_state() -> None:
     model = make_model()
     params = {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -204,6 +204,8 @@ def test_the_schedule_sees_the_applied_steps_before_each_update() -> None:
         return torch.full((), 0.01, dtype=torch.float64)
 
     optimizer = fmp.optim.sgd(recording)
+    assert seen == [0, 1]  # probed when built
+    seen.clear()
     state = fmp.TrainState.create(mlp_params(), optimizer, fmp.DynamicLossScale.create())
     assert isinstance(state.opt_state, fmp.optim.SgdState) and state.opt_state.momentum == ()
     for x, y in mlp_batches(7, overflow_every=3):
@@ -321,16 +323,17 @@ def test_bad_arguments_are_named(make: Callable[[], Any], error: type[Exception]
         (lambda count: torch.full((2,), 0.1), ValueError, r"shape=\(2,\)"),
         (lambda count: count, ValueError, "dtype=torch.int32"),
         (schedule.join([schedule.constant(0.1), lambda c: 0.2], [1]), TypeError, r"schedules\[1\] must return"),
+        (lambda count: 1e-3 * torch.rsqrt(count.double()), ValueError, "returned inf at count 0.*rsqrt"),
+        (lambda count: 0.1 - 0.2 * count.double(), ValueError, r"returned -0\.1 at count 1; an lr must be"),
+        (lambda count: torch.tensor(float("nan")), ValueError, "returned nan at count 0"),
     ],
 )
 @pytest.mark.parametrize("factory", [fmp.optim.sgd, functools.partial(fmp.optim.sgd, momentum=0.9), fmp.optim.adamw])
-def test_a_schedule_returning_no_scalar_tensor_is_named(
+def test_a_schedule_returning_no_lr_at_its_first_steps_is_named_when_the_optimizer_is_built(
     factory: Callable[..., fmp.optim.Optimizer], bad_schedule: Any, error: type[Exception], message: str
 ) -> None:
-    params = {"w": torch.ones(2)}
-    optimizer = factory(bad_schedule)
     with pytest.raises(error, match=message):
-        optimizer.update(params, optimizer.init(params), params)
+        factory(bad_schedule)
 
 
 def test_a_schedule_takes_an_integer_count_and_sgd_rejects_a_foreign_state() -> None:

@@ -189,6 +189,22 @@ def test_float32_leaves_pass_through_exactly() -> None:
     assert_trees_bitwise_equal((new_params, new_state.inner), (expected_params, expected_state))
 
 
+def test_each_leaf_and_each_seed_draws_its_own_bits() -> None:
+    # Twin leaves get the same float32 update; one key for every leaf, or a seed left out of the key,
+    # would round them alike.
+    twin = torch.randn(4096).to(torch.bfloat16)
+    params, grads = {"a": twin, "b": twin.clone()}, {"a": torch.full((4096,), 1e-3), "b": torch.full((4096,), 1e-3)}
+
+    def rounded(seed: int) -> dict[str, torch.Tensor]:
+        optimizer = fmp.optim.stochastic_rounding(fmp.optim.sgd(0.1), seed=seed)
+        return optimizer.update(grads, optimizer.init(params), params)[0]
+
+    seed_0, seed_1 = rounded(0), rounded(1)
+    assert not torch.equal(seed_0["a"], seed_0["b"])
+    assert not torch.equal(seed_0["a"], seed_1["a"]) and not torch.equal(seed_0["b"], seed_1["b"])
+    assert_trees_bitwise_equal(rounded(0), seed_0)
+
+
 def test_a_skipped_step_keeps_params_and_state_and_the_next_draws_what_it_would_have() -> None:
     optimizer = fmp.optim.stochastic_rounding(fmp.optim.adamw(1e-2), state_dtype=torch.bfloat16)
     state = fmp.TrainState.create(fmp.cast_floating(mlp_params(), torch.bfloat16), optimizer, fmp.NoOpLossScale())

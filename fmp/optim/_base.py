@@ -135,13 +135,27 @@ def _first_difference(params: Any, tree: Any, what: str) -> str:
 
 
 def check_lr(lr: Any) -> LearningRate:
-    """Returns `lr` as a float in [0, inf), or as is if it is a schedule (any callable).
+    """Returns `lr` as a float in [0, inf), or as is if it is a schedule, probed at its first steps.
+
+    A schedule is called at counts 0 and 1 on the CPU: an lr that is infinite there (an inverse
+    square root of the count, unguarded) or negative (a decay that overshoots) would write NaN or
+    ascend the loss on the first steps, and the step never reads values to catch it later.
+
+    Note: syncs with the host once per probe, here at construction, never in a step.
 
     Raises:
-        TypeError: If `lr` is neither a real number nor callable.
-        ValueError: If `lr` is a negative or NaN number.
+        TypeError: If `lr` is neither a real number nor callable, or a schedule returns no 0-dim
+            floating tensor.
+        ValueError: If `lr` is a negative or NaN number, or a schedule returns one at count 0 or 1.
     """
     if callable(lr):
+        for count in (0, 1):
+            value = check_schedule_value(lr(torch.tensor(count, dtype=torch.int32)))
+            if not bool(torch.isfinite(value) & (value >= 0)):
+                raise ValueError(
+                    f"the lr schedule returned {float(value)} at count {count}; an lr must be a finite number >= 0 "
+                    f"(guard the first steps, e.g. rsqrt(count.clamp(min=1)), or clamp a decay at 0)"
+                )
         return lr  # type: ignore[no-any-return]
     if isinstance(lr, bool) or not isinstance(lr, numbers.Real):
         raise TypeError(

@@ -56,6 +56,11 @@ def _adam(
     beta1 = check_real("betas[0]", betas[0], 0.0, 1.0)
     beta2 = check_real("betas[1]", betas[1], 0.0, 1.0)
     eps = check_real("eps", eps, 0.0, math.inf)
+    if eps == 0.0:
+        raise ValueError(
+            f"{name}: eps must be > 0: with eps=0, an element whose gradients have all been 0 divides 0 by 0 "
+            f"and its param becomes NaN"
+        )
     weight_decay = check_real("weight_decay", weight_decay, 0.0, math.inf)
 
     def init(params: Any) -> AdamState:
@@ -126,7 +131,7 @@ def adam(
             `fmp.optim.schedule`), `count` being the applied steps before this one (skipped
             mixed-precision steps do not count).
         betas: Decay rates of the first and second moment estimates, each in [0, 1).
-        eps: Added to the denominator, >= 0.
+        eps: Added to the denominator, > 0.
         weight_decay: L2 penalty, >= 0.
 
     Returns:
@@ -149,7 +154,7 @@ def adamw(
             `fmp.optim.schedule`), `count` being the applied steps before this one (skipped
             mixed-precision steps do not count).
         betas: Decay rates of the first and second moment estimates, each in [0, 1).
-        eps: Added to the denominator, >= 0.
+        eps: Added to the denominator, > 0.
         weight_decay: Decoupled weight decay, >= 0.
 
     Returns:

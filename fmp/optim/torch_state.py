@@ -66,19 +66,29 @@ def _check_group(kind: str, group: dict[str, Any], index: int) -> dict[str, Any]
     return group
 
 
-def _optimizer(kind: str, group: Mapping[str, Any]) -> Optimizer:
-    lr = float(group["lr"])  # torch allows a tensor lr
-    if kind == "sgd":
-        return sgd(
-            lr,
-            float(group["momentum"]),
-            dampening=float(group["dampening"]),
-            nesterov=bool(group["nesterov"]),
-            weight_decay=float(group["weight_decay"]),
-        )
-    make = adamw if kind == "adamw" else adam
-    betas = (float(group["betas"][0]), float(group["betas"][1]))
-    return make(lr, betas, float(group["eps"]), float(group["weight_decay"]))
+def _setting(group: Mapping[str, Any], key: str, index: int) -> Any:
+    """A group's setting, a one-element tensor taken as its number (torch allows a tensor lr)."""
+    value = group[key]
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"the state_dict's param group {index} has a {key} of shape {list(value.shape)}")
+        return value.item()
+    return value
+
+
+def _optimizer(kind: str, group: Mapping[str, Any], index: int) -> Optimizer:
+    lr, weight_decay = _setting(group, "lr", index), _setting(group, "weight_decay", index)
+    try:
+        if kind == "sgd":
+            momentum, dampening = _setting(group, "momentum", index), _setting(group, "dampening", index)
+            return sgd(lr, momentum, dampening=dampening, nesterov=group["nesterov"], weight_decay=weight_decay)
+        betas = group["betas"]
+        if not isinstance(betas, tuple | list) or len(betas) != 2:
+            raise TypeError(f"betas must be a pair of numbers, got {betas!r}")
+        make = adamw if kind == "adamw" else adam
+        return make(lr, (float(betas[0]), float(betas[1])), _setting(group, "eps", index), weight_decay)
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"the state_dict's param group {index}: {error}") from None
 
 
 def _restored(name: str, entry: Mapping[str, Any], key: str, param: torch.Tensor) -> torch.Tensor:
@@ -145,8 +155,8 @@ def from_torch_state_dict(
     optimizers, states, labels = {}, {}, {}
     for index, group in enumerate(groups):
         label = f"group{index}" if len(groups) > 1 else "all"
-        entries = [state_dict["state"].get(key) for key in group["params"]]
-        optimizers[label] = _optimizer(kind, group)
+        entries = [_entry(state_dict["state"], key) for key in group["params"]]
+        optimizers[label] = _optimizer(kind, group, index)
         group_params = {n: params[n] for n in members[index]}
         states[label] = _group_state(kind, optimizers[label], group, group_params, entries, applied_steps)
         labels.update(dict.fromkeys(members[index], label))
@@ -159,6 +169,12 @@ def from_torch_state_dict(
         return labels[name]
 
     return partition(optimizers, label_of), states
+
+
+def _entry(states: Mapping[Any, Any], key: Any) -> Any:
+    """A parameter's state by its id; ids saved as strings (a checkpoint through JSON or YAML) count too."""
+    entry = states.get(key)
+    return states.get(str(key)) if entry is None else entry
 
 
 def _members(groups: list[dict[str, Any]], names: list[str]) -> list[list[str]]:
