@@ -7,6 +7,7 @@ from fmp.loss_scale import DynamicLossScale
 from fmp.loss_scale import NoOpLossScale
 from fmp.loss_scale import StaticLossScale
 from fmp.optim.adam import AdamState
+from fmp.optim.ema import EmaState
 from fmp.optim.sgd import SgdState
 from fmp.optim.stochastic_rounding import StochasticRoundingState
 from fmp.state import StepCounts
@@ -37,4 +38,5 @@ def checkpoint_classes() -> list[type]:
         AdamState,
         SgdState,
         StochasticRoundingState,
+        EmaState,
     ]

@@ -228,7 +228,8 @@ def test_a_saved_state_loads_bit_for_bit(tmp_path: pathlib.Path) -> None:
 
 @pytest.mark.compiled
 def test_a_compiled_step_is_one_graph_across_updates_and_matches_eager() -> None:
-    optimizer = fmp.optim.stochastic_rounding(fmp.optim.adamw(1e-2), seed=3)
+    # With a float32 moving average of the bfloat16 params on top (fmp.optim.ema), as it is used.
+    optimizer = fmp.optim.ema(fmp.optim.stochastic_rounding(fmp.optim.adamw(1e-2), seed=3), decay=0.9)
     step = functools.partial(fmp.train_step, mlp_loss, policy=BF16_POLICY, optimizer=optimizer)
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(step, backend=counter, fullgraph=True)
@@ -238,10 +239,12 @@ def test_a_compiled_step_is_one_graph_across_updates_and_matches_eager() -> None
         state, info = compiled(state, x, y)
         eager_state, _ = step(eager_state, x, y)
         assert bool(info.applied) == (index != 2)
-    assert counter.frame_count == 1 and int(state.opt_state.step) == 3
+    assert counter.frame_count == 1 and int(state.opt_state.step) == int(state.opt_state.inner.step) == 3
     # The rounding is exact integer arithmetic, so compiled and eager round the same float32 values
     # alike; the float32 update itself may differ in the last bit once inductor fuses it.
-    for compiled_leaf, eager_leaf in zip(state.params.values(), eager_state.params.values(), strict=True):
+    compiled_leaves = [*state.params.values(), *state.opt_state.average.values()]
+    eager_leaves = [*eager_state.params.values(), *eager_state.opt_state.average.values()]
+    for compiled_leaf, eager_leaf in zip(compiled_leaves, eager_leaves, strict=True):
         torch.testing.assert_close(compiled_leaf, eager_leaf, rtol=2**-7, atol=1e-6)
 
 

@@ -9,6 +9,8 @@ from fmp.optim.adam import adamw
 from fmp.optim.adapter import from_gradient_transformation
 from fmp.optim.clip import clip_by_global_norm
 from fmp.optim.clip import global_norm
+from fmp.optim.ema import EmaState
+from fmp.optim.ema import ema
 from fmp.optim.partition import partition
 from fmp.optim.sgd import SgdState
 from fmp.optim.sgd import sgd
@@ -19,6 +21,7 @@ from fmp.optim.torch_state import to_torch_state_dict
 
 __all__ = [
     "AdamState",
+    "EmaState",
     "Optimizer",
     "Schedule",
     "SgdState",
@@ -26,6 +29,7 @@ __all__ = [
     "adam",
     "adamw",
     "clip_by_global_norm",
+    "ema",
     "from_gradient_transformation",
     "from_torch_state_dict",
     "global_norm",
