@@ -27,8 +27,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-# One worker per test file (module fixtures, such as a shared compiled step, are built once), at
-# most 4: compiling dominates and runs one core per worker.
+# Test files spread over up to 4 workers (two on 2 cores), each file whole on one worker, so a
+# module fixture (a shared compiled step) is built once; compiling dominates, one core per worker.
 test: lint typecheck
 	$(PY) -m pytest -n auto --maxprocesses=4 --dist loadfile
 

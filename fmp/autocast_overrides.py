@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import functools
 import itertools
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,7 +44,7 @@ _OPERATORS |= {"__truediv__": "div", "__div__": "div", "__mod__": "remainder"}
 _MODULE_ALIASES = {"F": "torch.nn.functional", "Tensor": "torch.Tensor"}
 
 
-def _function_written_out(key: str) -> Any:
+def _function_written_out(key: str, where: str) -> Any:
     """The object a dotted string such as "torch.fft.fft" or "F.linear" names; None for an op name."""
     head, dot, rest = key.partition(".")
     path = f"{_MODULE_ALIASES.get(head, head)}.{rest}".split(".")
@@ -54,23 +55,25 @@ def _function_written_out(key: str) -> Any:
         if not hasattr(found, attribute):
             close = difflib.get_close_matches(attribute, dir(found), n=1)
             hint = f"; did you mean {'.'.join([*path[:depth], close[0]])!r}?" if close else ""
-            raise ValueError(f"unknown op {key!r} in autocast: torch has nothing at that path{hint}")
+            raise ValueError(f"unknown op {key!r} in autocast {where}: torch has nothing at that path{hint}")
         found = getattr(found, attribute)
+    if isinstance(found, types.ModuleType):
+        raise TypeError(f"autocast {where}: key {key!r} names a module; key an op in it (e.g. {key}.<op>)")
     return found
 
 
-def _op_name(op: Any) -> str:
+def _op_name(op: Any, where: str) -> str:
     if isinstance(op, str):
         # Keyed by what the function is called (torch.fft.fft is "fft_fft"), as if passed itself.
-        op = _function_written_out(op) or op
+        op = _function_written_out(op, where) or op
     if isinstance(op, type):
         raise TypeError(
-            f"autocast override key {op.__qualname__} is a class; overrides take ops (a function such as "
+            f"autocast {where}: key {op.__qualname__} is a class; {where} take ops (a function such as "
             "torch.softmax, or its name), not modules"
         )
     qualified = op.split("::")[-1] if isinstance(op, str) else getattr(op, "__name__", None)
     if not isinstance(qualified, str):
-        raise TypeError(f"autocast override key {op!r} is neither an op name nor a function with a __name__")
+        raise TypeError(f"autocast {where}: key {op!r} is neither an op name nor a function with a __name__")
     name = qualified.split(".")[0]  # torch.ops.aten.mm.default is named "mm.default"
     return _OPERATORS.get(name, name)
 
@@ -105,7 +108,7 @@ def _checked_rules(rules: Mapping[Any, Override]) -> dict[str, Override]:
     """A custom rule set keyed by op name, each name checked as an override's is."""
     checked: dict[str, Override] = {}
     for op, value in rules.items():
-        name = _op_name(op)
+        name = _op_name(op, "rules")
         _check_name(name, "rules")
         _check_value(name, value, "rule")
         checked[name] = value
@@ -118,7 +121,7 @@ def _merge(rules: Mapping[str, Override], overrides: Mapping[Any, Override] | No
         raise TypeError(f"autocast overrides must be a mapping of op to rule, got {type(overrides).__name__}")
     merged: dict[str, Override] = dict(rules)
     for op, value in (overrides or {}).items():
-        name = _op_name(op)
+        name = _op_name(op, "overrides")
         if name not in rules:
             _check_name(name, "overrides")
         _check_value(name, value, "override")

@@ -7,7 +7,6 @@ Every dynamic value is a 0-dim tensor leaf; hyperparameters are static fields ke
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
 from typing import Any
 from typing import TypeVar
@@ -18,6 +17,11 @@ import torch.utils._pytree as pytree
 
 from fmp._checks import check_int
 from fmp._checks import check_real
+from fmp._scale_values import FLOAT32_MAX
+from fmp._scale_values import FLOAT32_TINY
+from fmp._scale_values import checked_scale
+from fmp._scale_values import float32_inward
+from fmp._scale_values import scale_tensor
 from fmp._struct import pytree_dataclass
 from fmp._struct import replace
 from fmp._struct import static_field
@@ -28,8 +32,6 @@ __all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale", 
 
 Tree = TypeVar("Tree")
 
-_FLOAT32_TINY = torch.finfo(torch.float32).tiny
-_FLOAT32_MAX = torch.finfo(torch.float32).max
 _INT32_MAX = torch.iinfo(torch.int32).max
 # GradScaler.state_dict()'s keys, and the ones fmp adds to them.
 _GRAD_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
@@ -103,48 +105,6 @@ class NoOpLossScale:
         return self
 
 
-def _checked_scale(value: Any, name: str) -> tuple[float, torch.device | None]:
-    """Validates a scale given as a number or 0-dim tensor; returns its float32 value and the tensor's device.
-
-    The check is on the float32 value: it must be a normal number, so that it and 1/scale are finite.
-    It runs on the CPU, so that a state can then be built on any device, `meta` included.
-    """
-    device = None
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 0 or not value.is_floating_point():
-            raise ValueError(f"{name} must be a 0-dim floating tensor, got {value.dtype}{list(value.shape)}")
-        if value.is_meta:
-            raise ValueError(f"{name} is a meta tensor, which holds no value: give a number (and device='meta')")
-        # Validation at construction syncs once with the host; steps never do.
-        value, device = value.item(), value.device
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    try:
-        number = float(torch.tensor(float(value), dtype=torch.float32))
-    except OverflowError:  # an int too large for any float
-        number = math.inf
-    if not _FLOAT32_TINY <= number <= _FLOAT32_MAX:
-        raise ValueError(
-            f"{name} must be a positive, normal float32 in [{_FLOAT32_TINY}, {_FLOAT32_MAX}], got {value} "
-            f"(a scale of 0, inf, NaN or a subnormal loses every gradient)"
-        )
-    return number, device
-
-
-def _scale_tensor(value: Any, name: str, device: torch.device | str | None) -> torch.Tensor:
-    """A validated scale as a float32 tensor on `device` (by default a tensor's own device, else CPU)."""
-    number, own_device = _checked_scale(value, name)
-    return torch.tensor(number, dtype=torch.float32, device=own_device if device is None else device)
-
-
-def _float32_inward(bound: float, *, up: bool) -> float:
-    """Rounds a bound to a float32 inside it, so that clamping the float32 scale honours it exactly."""
-    rounded = torch.tensor(bound, dtype=torch.float32)
-    if (up and float(rounded) < bound) or (not up and float(rounded) > bound):
-        rounded = torch.nextafter(rounded, torch.tensor(math.inf if up else -math.inf))
-    return float(rounded)
-
-
 @pytree_dataclass
 class StaticLossScale(_TensorScale):
     """A fixed loss scale.
@@ -163,12 +123,13 @@ class StaticLossScale(_TensorScale):
 
         Args:
             loss_scale: The scale; it must be a positive, normal float32.
-            device: Where the scale tensor lives (a tensor's own device by default, else CPU).
+            device: Where the scale tensor lives (a tensor's own device by default, else CPU; `meta`
+                too, for a shape-only run).
 
         Returns:
             The state.
         """
-        return cls(_scale_tensor(loss_scale, "loss_scale", device))
+        return cls(scale_tensor(loss_scale, "loss_scale", device))
 
     def adjust(self, grads_finite: torch.Tensor) -> StaticLossScale:
         """Returns this state; `grads_finite` is only checked for type and shape."""
@@ -198,8 +159,8 @@ class DynamicLossScale(_TensorScale):
     growth_factor: float = static_field(default=2.0)
     backoff_factor: float = static_field(default=0.5)
     growth_interval: int = static_field(default=2000)
-    min_scale: float = static_field(default=_FLOAT32_TINY)
-    max_scale: float = static_field(default=_FLOAT32_MAX)
+    min_scale: float = static_field(default=FLOAT32_TINY)
+    max_scale: float = static_field(default=FLOAT32_MAX)
     hysteresis: int = static_field(default=1)
 
     @classmethod
@@ -209,8 +170,8 @@ class DynamicLossScale(_TensorScale):
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
-        min_scale: float = _FLOAT32_TINY,
-        max_scale: float = _FLOAT32_MAX,
+        min_scale: float = FLOAT32_TINY,
+        max_scale: float = FLOAT32_MAX,
         hysteresis: int = 1,
         device: torch.device | str | None = None,
     ) -> DynamicLossScale:
@@ -234,7 +195,7 @@ class DynamicLossScale(_TensorScale):
             hysteresis: Consecutive overflows before the scale backs off, >= 1 (DeepSpeed's
                 `hysteresis` with `consecutive_hysteresis=True`: any finite step resets the count).
             device: Where the state's tensors live (a tensor `init_scale`'s own device by default,
-                else CPU); put it on the parameters' device.
+                else CPU); put it on the parameters' device (`meta` too, for a shape-only run).
 
         Returns:
             The state.
@@ -242,14 +203,14 @@ class DynamicLossScale(_TensorScale):
         Raises:
             TypeError, ValueError: Naming the bad argument and its allowed range.
         """
-        scale, own_device = _checked_scale(init_scale, "init_scale")
-        low = check_real("min_scale", min_scale, _FLOAT32_TINY, _FLOAT32_MAX, high_inclusive=True)
-        high = check_real("max_scale", max_scale, low, _FLOAT32_MAX, high_inclusive=True)
-        min_scale, max_scale = _float32_inward(low, up=True), _float32_inward(high, up=False)
+        scale, own_device = checked_scale(init_scale, "init_scale")
+        low = check_real("min_scale", min_scale, FLOAT32_TINY, FLOAT32_MAX, high_inclusive=True)
+        high = check_real("max_scale", max_scale, low, FLOAT32_MAX, high_inclusive=True)
+        min_scale, max_scale = float32_inward(low, up=True), float32_inward(high, up=False)
         if min_scale > max_scale:
             raise ValueError(f"no float32 scale lies in [min_scale, max_scale] = [{low}, {high}]")
         # init_scale must lie within the bounds up to its own rounding to float32, then is clamped in.
-        if not _float32_inward(low, up=False) <= scale <= _float32_inward(high, up=True):
+        if not float32_inward(low, up=False) <= scale <= float32_inward(high, up=True):
             raise ValueError(f"init_scale ({scale}) must lie in [min_scale, max_scale] = [{low}, {high}]")
         device = own_device if device is None else device
         zero = torch.zeros((), dtype=torch.int32, device=device)
@@ -315,8 +276,11 @@ class DynamicLossScale(_TensorScale):
             A dict of Python numbers.
 
         Raises:
-            ValueError: If the state is stacked (an ensemble's scalers): GradScaler's format holds one.
+            ValueError: If the state is stacked (an ensemble's scalers): GradScaler's format holds one;
+                or on the meta device, where it holds no values.
         """
+        if self.loss_scale.is_meta:
+            raise ValueError("state_dict() reads the scale's values, which a state on the meta device does not hold")
         if self.loss_scale.dim() != 0:
             raise ValueError(
                 f"state_dict() describes one scaler, but this state is stacked (loss_scale shape "
@@ -348,7 +312,7 @@ class DynamicLossScale(_TensorScale):
 
         Args:
             state_dict: The saved state.
-            device: Where the state's tensors live; put it on the parameters' device.
+            device: Where the state's tensors live; put it on the parameters' device (`meta` too).
 
         Returns:
             The state.
@@ -371,14 +335,14 @@ class DynamicLossScale(_TensorScale):
                 f"not a GradScaler or fmp.DynamicLossScale state_dict: missing keys {missing}, unknown keys {unknown}"
             )
         try:
-            scale, own_device = _checked_scale(state_dict["scale"], "state_dict['scale']")
+            scale, own_device = checked_scale(state_dict["scale"], "state_dict['scale']")
             scaler = cls.create(
                 init_scale=scale,
                 growth_factor=state_dict["growth_factor"],
                 backoff_factor=state_dict["backoff_factor"],
                 growth_interval=state_dict["growth_interval"],
-                min_scale=state_dict.get("min_scale", _FLOAT32_TINY),
-                max_scale=state_dict.get("max_scale", _FLOAT32_MAX),
+                min_scale=state_dict.get("min_scale", FLOAT32_TINY),
+                max_scale=state_dict.get("max_scale", FLOAT32_MAX),
                 hysteresis=state_dict.get("hysteresis", 1),
                 device=own_device if device is None else device,
             )

@@ -336,7 +336,15 @@ def test_a_function_written_out_as_a_string_keys_its_op(key: str, function: Any)
     [("F.lnear", "torch.nn.functional.linear"), ("torch.fft.ftt", "torch.fft.fft"), ("torch.nope", "torch.ne")],
 )
 def test_a_string_path_to_nothing_in_torch_is_refused_with_the_closest_name(key: str, suggestion: str) -> None:
-    with pytest.raises(ValueError, match=rf"unknown op '{key}' in autocast: .*did you mean '{suggestion}'\?"):
+    with pytest.raises(ValueError, match=rf"unknown op '{key}' in autocast overrides: .*did you mean '{suggestion}'\?"):
+        autocast(torch.softmax, torch.bfloat16, overrides={key: None})
+    with pytest.raises(ValueError, match=rf"unknown op '{key}' in autocast rules: "):
+        autocast(torch.softmax, torch.bfloat16, rules={key: Cast.FLOAT32})
+
+
+@pytest.mark.parametrize("key", ["torch.fft", "torch.nn.functional"])
+def test_a_string_path_to_a_module_is_refused(key: str) -> None:
+    with pytest.raises(TypeError, match=rf"autocast overrides: key '{key}' names a module; key an op in it"):
         autocast(torch.softmax, torch.bfloat16, overrides={key: None})
 
 
@@ -357,8 +365,9 @@ def test_a_custom_op_registered_after_the_names_were_read_is_known() -> None:
     library.define("late_scale(Tensor x) -> Tensor")
     library.impl("late_scale", lambda x: x * 2, "CompositeExplicitAutograd")
     x = torch.randn(3)
-    scaled = autocast(torch.ops.fmp_test_late.late_scale, torch.bfloat16, overrides={"late_scale": torch.bfloat16})
-    assert scaled(x).dtype == torch.bfloat16
+    for key in ("late_scale", "torch.ops.fmp_test_late.late_scale", "fmp_test_late::late_scale"):
+        scaled = autocast(torch.ops.fmp_test_late.late_scale, torch.bfloat16, overrides={key: torch.bfloat16})
+        assert scaled(x).dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("key", ["__matmul__", "__rmatmul__", "matmul", torch.Tensor.__matmul__, torch.matmul])

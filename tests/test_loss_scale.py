@@ -362,6 +362,8 @@ def test_states_build_on_the_meta_device_for_shape_only_runs() -> None:
         assert all(t.is_meta for t in pytree.tree_leaves(state))
         adjusted = state.adjust(torch.ones((), dtype=torch.bool, device="meta"))
         assert type(adjusted) is type(state) and all(t.is_meta for t in pytree.tree_leaves(adjusted))
+    with pytest.raises(ValueError, match=r"state_dict\(\) reads the scale's values, which a state on the meta device"):
+        dynamic.state_dict()
     with pytest.raises(ValueError, match="init_scale is a meta tensor, which holds no value: give a number"):
         fmp.DynamicLossScale.create(init_scale=torch.ones((), device="meta"))
 

@@ -98,7 +98,8 @@ def test_stateless_sgd_has_empty_state_and_stateful_ones_count_steps() -> None:
         (fmp.optim.adamw, {"betas": (0.9, 1.0)}, r"betas\[1\] must be in"),
         (fmp.optim.adamw, {"betas": 0.9}, "betas must be a pair"),
         (fmp.optim.adam, {"eps": -1e-8}, "eps must be in"),
-        (fmp.optim.adamw, {"eps": 0.0}, "adamw: eps must be > 0: with eps=0, an element whose gradients"),
+        (fmp.optim.adamw, {"eps": 0.0}, "adamw: eps must be > 0 in float32, got 0.0: with eps=0, an element"),
+        (fmp.optim.adam, {"eps": 1e-46}, "adam: eps must be > 0 in float32, got 1e-46"),
         (fmp.optim.adamw, {"weight_decay": -0.1}, "weight_decay must be in"),
     ],
 )

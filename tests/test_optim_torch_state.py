@@ -115,13 +115,33 @@ def test_bad_group_settings_are_named_with_their_group() -> None:
     saved, params = adamw_checkpoint()
     group = saved["param_groups"][0]
     for change, error, message in [
-        ({"betas": 0.9}, TypeError, "param group 0: betas must be a pair of numbers, got 0.9"),
-        ({"lr": torch.tensor([0.1, 0.2])}, ValueError, r"param group 0 has a lr of shape \[2\]"),
+        ({"betas": 0.9}, TypeError, "param group 0 has betas=0.9, not a pair of numbers"),
+        (
+            {"lr": torch.tensor([0.1, 0.2])},
+            ValueError,
+            r"param group 0 has lr=tensor\(\[0.1000, 0.2000\]\), not a number",
+        ),
+        ({"eps": "small"}, ValueError, r"param group 0 has eps='small', not a number"),
         ({"lr": -1.0}, ValueError, r"param group 0: lr must be in \[0.0, inf\)"),
-        ({"eps": 0.0}, ValueError, "param group 0: adamw: eps must be > 0"),
+        ({"eps": 0.0}, ValueError, "param group 0: adamw: eps must be > 0 in float32"),
     ]:
         with pytest.raises(error, match=message):
             fmp.optim.from_torch_state_dict("adamw", {**saved, "param_groups": [{**group, **change}]}, params, 2)
+
+
+def test_settings_saved_as_numpy_values_tensors_or_ints_convert() -> None:
+    numpy = pytest.importorskip("numpy")
+    model, optimizer, batches = torch_run("sgd", steps=2)
+    saved = optimizer.state_dict()
+    group = saved["param_groups"][0]
+    loose = {"lr": numpy.float64(group["lr"]), "momentum": torch.tensor(group["momentum"]), "nesterov": numpy.bool_(1)}
+    loose |= {"dampening": int(group["dampening"]), "weight_decay": str(group["weight_decay"])}
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    fmp_optimizer, opt_state = fmp.optim.from_torch_state_dict(
+        "sgd", {**saved, "param_groups": [{**group, **loose}]}, params, applied_steps=2
+    )
+    state = fmp.TrainState.create(params, fmp_optimizer, fmp.NoOpLossScale())._replace(opt_state=opt_state)
+    step_both_and_compare(model, optimizer, state, fmp_optimizer, batches[-1])
 
 
 def test_state_keyed_by_string_ids_converts_as_by_int_ids() -> None:

@@ -204,9 +204,9 @@ def test_the_schedule_sees_the_applied_steps_before_each_update() -> None:
         return torch.full((), 0.01, dtype=torch.float64)
 
     optimizer = fmp.optim.sgd(recording)
-    assert seen == [0, 1]  # probed when built
-    seen.clear()
     state = fmp.TrainState.create(mlp_params(), optimizer, fmp.DynamicLossScale.create())
+    assert seen == [0, 1]  # init checks the first counts' lr
+    seen.clear()
     assert isinstance(state.opt_state, fmp.optim.SgdState) and state.opt_state.momentum == ()
     for x, y in mlp_batches(7, overflow_every=3):
         state, _ = fmp.train_step(mlp_loss, state, x, y, policy=fmp.Policy(), optimizer=optimizer)
@@ -323,17 +323,49 @@ def test_bad_arguments_are_named(make: Callable[[], Any], error: type[Exception]
         (lambda count: torch.full((2,), 0.1), ValueError, r"shape=\(2,\)"),
         (lambda count: count, ValueError, "dtype=torch.int32"),
         (schedule.join([schedule.constant(0.1), lambda c: 0.2], [1]), TypeError, r"schedules\[1\] must return"),
-        (lambda count: 1e-3 * torch.rsqrt(count.double()), ValueError, "returned inf at count 0.*rsqrt"),
-        (lambda count: 0.1 - 0.2 * count.double(), ValueError, r"returned -0\.1 at count 1; an lr must be"),
-        (lambda count: torch.tensor(float("nan")), ValueError, "returned nan at count 0"),
+        (
+            lambda count: torch.tensor(0.1, device="meta"),
+            ValueError,
+            "returned a tensor on meta for a step count on cpu",
+        ),
     ],
 )
 @pytest.mark.parametrize("factory", [fmp.optim.sgd, functools.partial(fmp.optim.sgd, momentum=0.9), fmp.optim.adamw])
-def test_a_schedule_returning_no_lr_at_its_first_steps_is_named_when_the_optimizer_is_built(
+def test_a_schedule_returning_no_scalar_tensor_is_named(
     factory: Callable[..., fmp.optim.Optimizer], bad_schedule: Any, error: type[Exception], message: str
 ) -> None:
+    # By init, which calls the schedule at the first counts, and by update at any other count.
+    params = {"w": torch.ones(2)}
+    optimizer = factory(bad_schedule)
     with pytest.raises(error, match=message):
-        factory(bad_schedule)
+        optimizer.init(params)
+    later = factory(schedule.constant(0.1)).init(params)._replace(step=torch.tensor(7, dtype=torch.int32))
+    with pytest.raises(error, match=message):
+        optimizer.update(params, later, params)
+
+
+@pytest.mark.parametrize(
+    ("bad_schedule", "message"),
+    [
+        (lambda count: 1e-3 * torch.rsqrt(count.double()), "returned inf at count 0.*rsqrt"),
+        (lambda count: 0.1 - 0.2 * count.double(), r"returned -0\.1 at count 1; an lr must be a finite number >= 0"),
+        (lambda count: torch.tensor(float("nan")), "returned nan at count 0"),
+    ],
+)
+@pytest.mark.parametrize("factory", [fmp.optim.sgd, fmp.optim.adamw])
+def test_an_infinite_nan_or_negative_lr_at_the_first_counts_is_named_by_init(
+    factory: Callable[..., fmp.optim.Optimizer], bad_schedule: Any, message: str
+) -> None:
+    optimizer = factory(bad_schedule)
+    with pytest.raises(ValueError, match=message):
+        fmp.TrainState.create(mlp_params(), optimizer, fmp.DynamicLossScale.create())
+
+
+def test_the_first_counts_are_read_only_where_they_have_values() -> None:
+    # On the meta device (a shape-only run) the schedule has no value to read: init passes.
+    meta_params = {"w": torch.ones(2, device="meta")}
+    optimizer = fmp.optim.adamw(lambda count: 0.1 * torch.ones_like(count, dtype=torch.float64))
+    assert optimizer.init(meta_params).step.is_meta
 
 
 def test_a_schedule_takes_an_integer_count_and_sgd_rejects_a_foreign_state() -> None:

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
 from typing import TypeAlias
+from typing import cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -21,6 +22,7 @@ __all__ = [
     "Optimizer",
     "Schedule",
     "check_lr",
+    "check_schedule_start",
     "check_schedule_value",
     "check_state",
     "leaves_like_params",
@@ -135,27 +137,13 @@ def _first_difference(params: Any, tree: Any, what: str) -> str:
 
 
 def check_lr(lr: Any) -> LearningRate:
-    """Returns `lr` as a float in [0, inf), or as is if it is a schedule, probed at its first steps.
-
-    A schedule is called at counts 0 and 1 on the CPU: an lr that is infinite there (an inverse
-    square root of the count, unguarded) or negative (a decay that overshoots) would write NaN or
-    ascend the loss on the first steps, and the step never reads values to catch it later.
-
-    Note: syncs with the host once per probe, here at construction, never in a step.
+    """Returns `lr` as a float in [0, inf), or as is if it is a schedule (any callable).
 
     Raises:
-        TypeError: If `lr` is neither a real number nor callable, or a schedule returns no 0-dim
-            floating tensor.
-        ValueError: If `lr` is a negative or NaN number, or a schedule returns one at count 0 or 1.
+        TypeError: If `lr` is neither a real number nor callable.
+        ValueError: If `lr` is a negative or NaN number.
     """
     if callable(lr):
-        for count in (0, 1):
-            value = check_schedule_value(lr(torch.tensor(count, dtype=torch.int32)))
-            if not bool(torch.isfinite(value) & (value >= 0)):
-                raise ValueError(
-                    f"the lr schedule returned {float(value)} at count {count}; an lr must be a finite number >= 0 "
-                    f"(guard the first steps, e.g. rsqrt(count.clamp(min=1)), or clamp a decay at 0)"
-                )
         return lr  # type: ignore[no-any-return]
     if isinstance(lr, bool) or not isinstance(lr, numbers.Real):
         raise TypeError(
@@ -163,6 +151,34 @@ def check_lr(lr: Any) -> LearningRate:
             f"(see fmp.optim.schedule), got {type(lr).__name__}"
         )
     return check_real("lr", lr, 0.0, math.inf)
+
+
+def check_schedule_start(lr: LearningRate, count: torch.Tensor) -> None:
+    """Raises unless a schedule's lr at `count` and `count + 1` is a finite number >= 0.
+
+    Optimizers call it in `init` with their fresh step counter (on the params' device): an lr that
+    is infinite at the first steps (an unguarded inverse square root of the count) or negative (a
+    decay that overshoots) would write NaN into the params or ascend the loss, and the step never
+    reads values to catch it. Later counts are not checked. Skipped for a float `lr`, under
+    torch.compile and torch.func transforms, and where the lr has no value to read (`meta`).
+
+    Note: syncs with the host twice, in `init`, never in a step; it calls the schedule twice.
+
+    Raises:
+        TypeError, ValueError: If the schedule returns no 0-dim floating tensor on the count's device.
+        ValueError: If it returns an infinite, NaN or negative lr there.
+    """
+    if not callable(lr) or torch.compiler.is_compiling():
+        return
+    for offset in (0, 1):
+        value = cast(torch.Tensor, scheduled_lr(lr, count + offset))  # a schedule's value is a tensor
+        if value.is_meta or torch._C._functorch.is_functorch_wrapped_tensor(value):
+            return
+        if not bool(torch.isfinite(value) & (value >= 0)):
+            raise ValueError(
+                f"the lr schedule returned {float(value)} at count {int(count) + offset}; an lr must be a finite "
+                f"number >= 0 (guard the first steps, e.g. rsqrt(count.clamp(min=1)), or clamp a decay at 0)"
+            )
 
 
 def check_schedule_value(value: Any, name: str = "the lr schedule") -> torch.Tensor:

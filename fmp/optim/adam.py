@@ -13,6 +13,7 @@ from fmp._checks import check_real
 from fmp.optim._base import LearningRate
 from fmp.optim._base import Optimizer
 from fmp.optim._base import check_lr
+from fmp.optim._base import check_schedule_start
 from fmp.optim._base import check_state
 from fmp.optim._base import leaves_like_params
 from fmp.optim._base import scheduled_lr
@@ -56,15 +57,17 @@ def _adam(
     beta1 = check_real("betas[0]", betas[0], 0.0, 1.0)
     beta2 = check_real("betas[1]", betas[1], 0.0, 1.0)
     eps = check_real("eps", eps, 0.0, math.inf)
-    if eps == 0.0:
+    if float(torch.tensor(eps, dtype=torch.float32)) == 0.0:
         raise ValueError(
-            f"{name}: eps must be > 0: with eps=0, an element whose gradients have all been 0 divides 0 by 0 "
-            f"and its param becomes NaN"
+            f"{name}: eps must be > 0 in float32, got {eps}: with eps=0, an element whose gradients have all "
+            f"been 0 divides 0 by 0 and its param becomes NaN"
         )
     weight_decay = check_real("weight_decay", weight_decay, 0.0, math.inf)
 
     def init(params: Any) -> AdamState:
-        return AdamState(step_counter(params), tree_zeros_like(params), tree_zeros_like(params))
+        step = step_counter(params)
+        check_schedule_start(lr, step)
+        return AdamState(step, tree_zeros_like(params), tree_zeros_like(params))
 
     def update(grads: Any, state: AdamState, params: Any) -> tuple[Any, AdamState]:
         check_state(name, state, AdamState)
@@ -131,15 +134,16 @@ def adam(
             `fmp.optim.schedule`), `count` being the applied steps before this one (skipped
             mixed-precision steps do not count).
         betas: Decay rates of the first and second moment estimates, each in [0, 1).
-        eps: Added to the denominator, > 0.
+        eps: Added to the denominator, > 0 (also once rounded to float32).
         weight_decay: L2 penalty, >= 0.
 
     Returns:
         The optimizer; its state is an `AdamState`.
 
     Raises:
-        TypeError, ValueError: Naming the argument, if one is of the wrong type or out of range; a
-            schedule's value must be a 0-dim floating tensor (checked when `update` runs).
+        TypeError, ValueError: Naming the argument, if one is of the wrong type or out of range. A
+            schedule must return a 0-dim floating tensor (checked when `update` runs) and a finite
+            lr >= 0 at counts 0 and 1 (checked by `init`, which syncs with the host to read them).
     """
     return _adam(lr, betas, eps, weight_decay, decoupled=False)
 
@@ -154,14 +158,15 @@ def adamw(
             `fmp.optim.schedule`), `count` being the applied steps before this one (skipped
             mixed-precision steps do not count).
         betas: Decay rates of the first and second moment estimates, each in [0, 1).
-        eps: Added to the denominator, > 0.
+        eps: Added to the denominator, > 0 (also once rounded to float32).
         weight_decay: Decoupled weight decay, >= 0.
 
     Returns:
         The optimizer; its state is an `AdamState`.
 
     Raises:
-        TypeError, ValueError: Naming the argument, if one is of the wrong type or out of range; a
-            schedule's value must be a 0-dim floating tensor (checked when `update` runs).
+        TypeError, ValueError: Naming the argument, if one is of the wrong type or out of range. A
+            schedule must return a 0-dim floating tensor (checked when `update` runs) and a finite
+            lr >= 0 at counts 0 and 1 (checked by `init`, which syncs with the host to read them).
     """
     return _adam(lr, betas, eps, weight_decay, decoupled=True)

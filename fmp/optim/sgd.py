@@ -14,6 +14,7 @@ from fmp._checks import check_real
 from fmp.optim._base import LearningRate
 from fmp.optim._base import Optimizer
 from fmp.optim._base import check_lr
+from fmp.optim._base import check_schedule_start
 from fmp.optim._base import check_state
 from fmp.optim._base import leaves_like_params
 from fmp.optim._base import scheduled_lr
@@ -78,8 +79,9 @@ def sgd(
 
     Raises:
         TypeError, ValueError: Naming the argument, if one is of the wrong type or out of range.
-            A schedule's value is checked when `update` runs (at trace time under torch.compile):
-            it must be a 0-dim floating tensor.
+            A schedule must return a 0-dim floating tensor (checked when `update` runs, at trace
+            time under torch.compile) and a finite lr >= 0 at counts 0 and 1 (checked by `init`,
+            which syncs with the host to read them).
     """
     lr = check_lr(lr)
     momentum = check_real("momentum", momentum, 0.0, 1.0, high_inclusive=True)
@@ -116,7 +118,9 @@ def sgd(
     name = "sgd with momentum" if momentum else "sgd with an lr schedule"
 
     def init(params: Any) -> SgdState:
-        return SgdState(step_counter(params), tree_zeros_like(params) if momentum else ())
+        step = step_counter(params)
+        check_schedule_start(lr, step)
+        return SgdState(step, tree_zeros_like(params) if momentum else ())
 
     def update(grads: Any, state: SgdState, params: Any) -> tuple[Any, SgdState]:
         check_state(name, state, SgdState)

@@ -66,27 +66,34 @@ def _check_group(kind: str, group: dict[str, Any], index: int) -> dict[str, Any]
     return group
 
 
-def _setting(group: Mapping[str, Any], key: str, index: int) -> Any:
-    """A group's setting, a one-element tensor taken as its number (torch allows a tensor lr)."""
-    value = group[key]
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"the state_dict's param group {index} has a {key} of shape {list(value.shape)}")
-        return value.item()
-    return value
+def _number(value: Any, key: str, index: int) -> float:
+    """A group's numeric setting as a float: a number, or a one-element tensor or array (torch allows a tensor lr)."""
+    try:
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            raise ValueError(f"shape {list(value.shape)}")
+        return float(value.item() if isinstance(value, torch.Tensor) else value)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"the state_dict's param group {index} has {key}={value!r}, not a number ({error})") from None
 
 
 def _optimizer(kind: str, group: Mapping[str, Any], index: int) -> Optimizer:
-    lr, weight_decay = _setting(group, "lr", index), _setting(group, "weight_decay", index)
-    try:
+    keys = ("lr", "weight_decay", "momentum", "dampening") if kind == "sgd" else ("lr", "weight_decay", "eps")
+    settings = {key: _number(group[key], key, index) for key in keys}
+    betas = group.get("betas", (0.0, 0.0))
+    if not isinstance(betas, tuple | list) or len(betas) != 2:
+        raise TypeError(f"the state_dict's param group {index} has betas={betas!r}, not a pair of numbers")
+    beta1, beta2 = (_number(beta, f"betas[{i}]", index) for i, beta in enumerate(betas))
+    try:  # the optimizers' own checks of range, named with the group
         if kind == "sgd":
-            momentum, dampening = _setting(group, "momentum", index), _setting(group, "dampening", index)
-            return sgd(lr, momentum, dampening=dampening, nesterov=group["nesterov"], weight_decay=weight_decay)
-        betas = group["betas"]
-        if not isinstance(betas, tuple | list) or len(betas) != 2:
-            raise TypeError(f"betas must be a pair of numbers, got {betas!r}")
+            return sgd(
+                settings["lr"],
+                settings["momentum"],
+                dampening=settings["dampening"],
+                nesterov=bool(group["nesterov"]),
+                weight_decay=settings["weight_decay"],
+            )
         make = adamw if kind == "adamw" else adam
-        return make(lr, (float(betas[0]), float(betas[1])), _setting(group, "eps", index), weight_decay)
+        return make(settings["lr"], (beta1, beta2), settings["eps"], settings["weight_decay"])
     except (TypeError, ValueError) as error:
         raise type(error)(f"the state_dict's param group {index}: {error}") from None
 
