@@ -41,15 +41,20 @@ _OPERATORS |= {"__truediv__": "div", "__div__": "div", "__mod__": "remainder"}
 
 
 # Short module names a string key may start with, as users import them.
-_MODULE_ALIASES = {"F": "torch.nn.functional", "Tensor": "torch.Tensor"}
+_MODULE_ALIASES = {"F": "torch.nn.functional", "Tensor": "torch.Tensor", "aten": "torch.ops.aten"}
 
 
 def _function_written_out(key: str, where: str) -> Any:
     """The object a dotted string such as "torch.fft.fft" or "F.linear" names; None for an op name."""
     head, dot, rest = key.partition(".")
     path = f"{_MODULE_ALIASES.get(head, head)}.{rest}".split(".")
-    if not dot or path[0] != "torch":
+    if not dot or "::" in key or _is_op_name(head):  # an op's name ("aten::mm"), or an overload's ("mm.default")
         return None
+    if path[0] != "torch":
+        raise ValueError(
+            f"unknown op {key!r} in autocast {where}: a path names a function from torch, e.g. "
+            f"'torch.nn.functional.gelu', 'F.gelu', 'Tensor.softmax' or 'aten.mm'"
+        )
     found: Any = torch
     for depth, attribute in enumerate(path[1:], start=1):
         if not hasattr(found, attribute):
@@ -87,11 +92,17 @@ def seen_names() -> frozenset[str]:
     return frozenset({_OPERATORS.get(name, name) for name in names} | set(CALLS) | set(ROUTES))
 
 
+def _is_op_name(name: str) -> bool:
+    if name in seen_names():
+        return True
+    seen_names.cache_clear()  # a custom op registered (torch.library) since the names were read
+    return name in seen_names()
+
+
 def _check_name(name: str, where: str) -> None:
     # A name the mode never sees would make a rule that silently does nothing.
-    if name in seen_names() or any(name in rules for rules in RULE_SETS.values()):
+    if any(name in rules for rules in RULE_SETS.values()) or _is_op_name(name):
         return
-    seen_names.cache_clear()  # a custom op registered (torch.library) since the names were read
     known = seen_names().union(*RULE_SETS.values())
     if name not in known:
         close = difflib.get_close_matches(name, known, n=1)

@@ -343,9 +343,19 @@ def test_a_string_path_to_nothing_in_torch_is_refused_with_the_closest_name(key:
 
 
 @pytest.mark.parametrize("key", ["torch.fft", "torch.nn.functional"])
-def test_a_string_path_to_a_module_is_refused(key: str) -> None:
+def test_a_string_path_to_a_module_or_outside_torch_is_refused(key: str) -> None:
     with pytest.raises(TypeError, match=rf"autocast overrides: key '{key}' names a module; key an op in it"):
         autocast(torch.softmax, torch.bfloat16, overrides={key: None})
+    with pytest.raises(
+        ValueError, match=r"unknown op 'math\.exp' in autocast rules: a path names a function from torch"
+    ):
+        autocast(torch.softmax, torch.bfloat16, rules={"math.exp": Cast.FLOAT32})
+
+
+@pytest.mark.parametrize("key", ["aten.mm", "aten.mm.default", "mm.default", "torch.ops.aten.mm", "aten::mm"])
+def test_aten_op_keys_name_the_op(key: str) -> None:
+    x = torch.randn(3, 3)
+    assert autocast(torch.mm, torch.bfloat16, overrides={key: torch.float32})(x, x).dtype == torch.float32
 
 
 def test_custom_rule_sets_are_checked_and_keyed_as_overrides() -> None:

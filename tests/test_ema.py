@@ -106,3 +106,19 @@ def test_bad_inputs_are_named() -> None:
         optimizer.update(params, wrong_dtype, params)
     with pytest.raises(ValueError, match=r"opt_state\.average must have the params' structure"):
         optimizer.update(params, state._replace(average={"w1": state.average["w1"]}), params)
+    with pytest.raises(TypeError, match=r"ema: params\['n'\] is int; it averages floating tensors"):
+        optimizer.init({**params, "n": 3})
+    with pytest.raises(TypeError, match=r"wrap ema outside: ema\(stochastic_rounding\(\.\.\.\)\)"):
+        fmp.optim.stochastic_rounding(optimizer).init(params)
+
+
+def test_params_in_another_dict_order_than_the_state_keep_the_states_order() -> None:
+    # As every fmp optimizer: the new state keeps its structure, so a skipped step can keep the old one.
+    optimizer = fmp.optim.ema(fmp.optim.adamw(1e-2), 0.9)
+    state = fmp.TrainState.create(mlp_params(), optimizer, fmp.DynamicLossScale.create(2.0**10))
+    state = state._replace(params=dict(reversed(list(state.params.items()))))
+    for x, y in mlp_batches(3, 2):  # the second batch overflows
+        new_state, _ = fmp.train_step(mlp_loss, state, x, y, policy=fmp.Policy(), optimizer=optimizer)
+        assert list(new_state.opt_state.average) == list(state.opt_state.average)
+        state = new_state
+    assert int(state.opt_state.step) == 2

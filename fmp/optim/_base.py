@@ -153,7 +153,7 @@ def check_lr(lr: Any) -> LearningRate:
     return check_real("lr", lr, 0.0, math.inf)
 
 
-def check_schedule_start(lr: LearningRate, count: torch.Tensor) -> None:
+def check_schedule_start(lr: LearningRate, count: torch.Tensor, name: str) -> None:
     """Raises unless a schedule's lr at `count` and `count + 1` is a finite number >= 0.
 
     Optimizers call it in `init` with their fresh step counter (on the params' device): an lr that
@@ -176,8 +176,8 @@ def check_schedule_start(lr: LearningRate, count: torch.Tensor) -> None:
             return
         if not bool(torch.isfinite(value) & (value >= 0)):
             raise ValueError(
-                f"the lr schedule returned {float(value)} at count {int(count) + offset}; an lr must be a finite "
-                f"number >= 0 (guard the first steps, e.g. rsqrt(count.clamp(min=1)), or clamp a decay at 0)"
+                f"{name}: the lr schedule returned {float(value)} at count {int(count) + offset}; an lr must be a "
+                f"finite number >= 0 (guard the first steps, e.g. rsqrt(count.clamp(min=1)), or clamp a decay at 0)"
             )
 
 

@@ -66,7 +66,7 @@ def _adam(
 
     def init(params: Any) -> AdamState:
         step = step_counter(params)
-        check_schedule_start(lr, step)
+        check_schedule_start(lr, step, name)
         return AdamState(step, tree_zeros_like(params), tree_zeros_like(params))
 
     def update(grads: Any, state: AdamState, params: Any) -> tuple[Any, AdamState]:

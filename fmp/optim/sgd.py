@@ -119,7 +119,7 @@ def sgd(
 
     def init(params: Any) -> SgdState:
         step = step_counter(params)
-        check_schedule_start(lr, step)
+        check_schedule_start(lr, step, name)
         return SgdState(step, tree_zeros_like(params) if momentum else ())
 
     def update(grads: Any, state: SgdState, params: Any) -> tuple[Any, SgdState]:

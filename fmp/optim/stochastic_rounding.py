@@ -12,6 +12,7 @@ from fmp._checks import check_int
 from fmp.optim._base import Optimizer
 from fmp.optim._base import check_state
 from fmp.optim._base import step_counter
+from fmp.optim.ema import EmaState
 from fmp.rounding import stochastic_round
 
 __all__ = ["StochasticRoundingState", "stochastic_rounding"]
@@ -44,6 +45,10 @@ def _state_leaf_to_bfloat16(leaf: Any) -> Any:
     # which bfloat16's 8 bits would hold too coarsely.
     is_buffer = isinstance(leaf, torch.Tensor) and leaf.dtype == torch.float32 and leaf.dim() > 0
     return leaf.to(torch.bfloat16) if is_buffer else leaf
+
+
+def _is_ema_state(node: Any) -> bool:
+    return isinstance(node, EmaState)
 
 
 def _check_params(params: Any) -> None:
@@ -89,7 +94,7 @@ def stochastic_rounding(optimizer: Optimizer, *, seed: int = 0, state_dtype: tor
     Raises:
         TypeError, ValueError: If `optimizer` is not an fmp Optimizer, `seed` is not an int in range,
             or `state_dtype` is neither float32 nor bfloat16. `init` raises a TypeError for a
-            float16 parameter.
+            float16 parameter, or for an `fmp.optim.ema` inside (wrap it outside instead).
     """
     if not isinstance(optimizer, Optimizer):
         raise TypeError(f"stochastic_rounding wraps an fmp.optim.Optimizer, got {type(optimizer).__name__}")
@@ -103,6 +108,12 @@ def stochastic_rounding(optimizer: Optimizer, *, seed: int = 0, state_dtype: tor
     def init(params: Any) -> StochasticRoundingState:
         _check_params(params)
         inner = optimizer.init(pytree.tree_map(_to_float32, params))
+        if any(isinstance(node, EmaState) for node in pytree.tree_leaves(inner, is_leaf=_is_ema_state)):
+            raise TypeError(
+                "stochastic_rounding: the wrapped optimizer keeps an fmp.optim.ema average, which would average "
+                "the float32 params before rounding, not the bfloat16 ones the model holds; wrap ema outside: "
+                "ema(stochastic_rounding(...))"
+            )
         if state_dtype == torch.bfloat16:
             inner = pytree.tree_map(_state_leaf_to_bfloat16, inner)
         return StochasticRoundingState(step_counter(params), inner)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -66,14 +67,30 @@ def _check_group(kind: str, group: dict[str, Any], index: int) -> dict[str, Any]
     return group
 
 
+def _scalar(value: Any, key: str, index: int) -> Any:
+    """A one-element tensor or array as its Python value; anything else as it is."""
+    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":
+        size = value.numel() if isinstance(value, torch.Tensor) else value.size
+        if size != 1:
+            raise ValueError(f"the state_dict's param group {index} has a {key} of {size} elements")
+        return value.item()
+    return value
+
+
 def _number(value: Any, key: str, index: int) -> float:
     """A group's numeric setting as a float: a number, or a one-element tensor or array (torch allows a tensor lr)."""
-    try:
-        if isinstance(value, torch.Tensor) and value.numel() != 1:
-            raise ValueError(f"shape {list(value.shape)}")
-        return float(value.item() if isinstance(value, torch.Tensor) else value)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"the state_dict's param group {index} has {key}={value!r}, not a number ({error})") from None
+    number = _scalar(value, key, index)
+    if isinstance(number, bool) or not isinstance(number, numbers.Real):
+        raise TypeError(f"the state_dict's param group {index} has {key}={value!r}, not a number")
+    return float(number)
+
+
+def _flag(value: Any, key: str, index: int) -> bool:
+    """A group's on/off setting: a bool, 0 or 1, or a one-element tensor or array of one."""
+    flag = _scalar(value, key, index)
+    if isinstance(flag, bool) or (isinstance(flag, int) and flag in (0, 1)):
+        return bool(flag)
+    raise TypeError(f"the state_dict's param group {index} has {key}={value!r}, not a bool")
 
 
 def _optimizer(kind: str, group: Mapping[str, Any], index: int) -> Optimizer:
@@ -89,7 +106,7 @@ def _optimizer(kind: str, group: Mapping[str, Any], index: int) -> Optimizer:
                 settings["lr"],
                 settings["momentum"],
                 dampening=settings["dampening"],
-                nesterov=bool(group["nesterov"]),
+                nesterov=_flag(group["nesterov"], "nesterov", index),
                 weight_decay=settings["weight_decay"],
             )
         make = adamw if kind == "adamw" else adam
@@ -270,8 +287,10 @@ def _torch_group_state(
     is_adam = not isinstance(torch_optimizer, torch.optim.SGD)
     stateless = isinstance(opt_state, tuple) and opt_state == ()  # plain SGD's
     if is_adam != isinstance(opt_state, AdamState) or not (is_adam or isinstance(opt_state, SgdState) or stateless):
+        # A wrapper's state (ema, stochastic_rounding) holds the wrapped optimizer's in `inner`.
+        hint = "; pass its .inner, the wrapped optimizer's state" if hasattr(opt_state, "inner") else ""
         raise TypeError(
-            f"opt_state{where} is a {type(opt_state).__name__}, which is not the state of a torch.optim.{kind}"
+            f"opt_state{where} is a {type(opt_state).__name__}, which is not the state of a torch.optim.{kind}{hint}"
         )
     buffers: dict[str, Any] = {}
     if isinstance(opt_state, AdamState):
