@@ -107,7 +107,7 @@ def ema(optimizer: Optimizer, decay: float = 0.999) -> Optimizer:
                     f"ema: opt_state.average{key} is {found}, expected {expected}{list(param.shape)} for "
                     f"params{key}; was the state created for other params?"
                 )
-            new = param.to(expected)
+            new = param if param.dtype == expected else param.to(expected)
             averages.append(torch.where(first, new, torch.lerp(average, new, weight)))
         average = unflatten_as(averages, spec, None if average_spec == spec else average_spec)
         return new_params, EmaState(state.step + 1, average, new_inner)
