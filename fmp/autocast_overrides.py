@@ -47,10 +47,12 @@ _MODULE_ALIASES = {"F": "torch.nn.functional", "Tensor": "torch.Tensor", "aten":
 def _function_written_out(key: str, where: str) -> Any:
     """The object a dotted string such as "torch.fft.fft" or "F.linear" names; None for an op name."""
     head, dot, rest = key.partition(".")
-    path = f"{_MODULE_ALIASES.get(head, head)}.{rest}".split(".")
-    if not dot or "::" in key or _is_op_name(head):  # an op's name ("aten::mm"), or an overload's ("mm.default")
+    if not dot or "::" in key:  # an op's name: "softmax", "aten::mm"
         return None
+    path = f"{_MODULE_ALIASES.get(head, head)}.{rest}".split(".")
     if path[0] != "torch":
+        if _is_op_name(head):  # an overload's name: "mm.default"
+            return None
         raise ValueError(
             f"unknown op {key!r} in autocast {where}: a path names a function from torch, e.g. "
             f"'torch.nn.functional.gelu', 'F.gelu', 'Tensor.softmax' or 'aten.mm'"
