@@ -68,20 +68,17 @@ def test_transformer_lm_skips_the_poisoned_step_and_saves_its_plot(tmp_path: Pat
     assert (tmp_path / "lm.png").read_bytes().startswith(b"\x89PNG")
 
 
-def test_transformer_lm_trains_bfloat16_params_without_a_float32_copy(tmp_path: Path) -> None:
-    stdout = run_transformer_lm(tmp_path / "lm.png", None, "--bf16-params")
-    assert "policy params=bfloat16,compute=bfloat16,output=float32" in stdout
-    assert "steps applied 5 skipped 1; final loss scale 131072;" in stdout
-    first, last = map(float, re.findall(r"first step (\S+) .* last applied steps (\S+)", stdout)[0])
-    assert last < first
-
-
-def test_transformer_lm_runs_without_matplotlib(tmp_path: Path) -> None:
+def test_transformer_lm_trains_bfloat16_params_and_runs_without_matplotlib(tmp_path: Path) -> None:
+    # One run for both (each costs a process and a compile): matplotlib hidden, the plot is skipped.
     stub = tmp_path / "stub" / "matplotlib"
     stub.mkdir(parents=True)
     (stub / "__init__.py").write_text("raise ImportError('matplotlib hidden by the test')\n")
     env = {**os.environ, "PYTHONPATH": str(stub.parent)}
-    stdout = run_transformer_lm(tmp_path / "lm.png", env)
+    stdout = run_transformer_lm(tmp_path / "lm.png", env, "--bf16-params")
+    assert "policy params=bfloat16,compute=bfloat16,output=float32" in stdout
+    assert "steps applied 5 skipped 1; final loss scale 131072;" in stdout
+    first, last = map(float, re.findall(r"first step (\S+) .* last applied steps (\S+)", stdout)[0])
+    assert last < first
     assert "matplotlib is not installed: no plot saved to" in stdout and not (tmp_path / "lm.png").exists()
 
 
