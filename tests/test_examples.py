@@ -45,7 +45,8 @@ def test_readme_quickstart_and_then_its_fast_path_run() -> None:
     script = "\n".join([quickstart, fast_path, check])
     result = subprocess.run([*PYTHON, "-c", script], capture_output=True, text=True, check=True, timeout=300)
     # The quickstart prints the loss and the scale, then the check the steps and the scale.
-    (loss, scale), (steps, fast_path_scale) = result.stdout.split()[:2], result.stdout.split()[-2:]
+    words = result.stdout.split()
+    (loss, scale), (steps, fast_path_scale) = words[:2], words[-2:]
     assert float(loss) > 0 and float(scale) == 2.0**16
     assert int(steps) == 11 and float(fast_path_scale) == 2.0**16
 

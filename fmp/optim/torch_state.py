@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import numbers
+from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
@@ -94,23 +96,24 @@ def _flag(value: Any, key: str, index: int) -> bool:
 
 
 def _optimizer(kind: str, group: Mapping[str, Any], index: int) -> Optimizer:
-    keys = ("lr", "weight_decay", "momentum", "dampening") if kind == "sgd" else ("lr", "weight_decay", "eps")
-    settings = {key: _number(group[key], key, index) for key in keys}
-    betas = group.get("betas", (0.0, 0.0))
-    if not isinstance(betas, tuple | list) or len(betas) != 2:
-        raise TypeError(f"the state_dict's param group {index} has betas={betas!r}, not a pair of numbers")
-    beta1, beta2 = (_number(beta, f"betas[{i}]", index) for i, beta in enumerate(betas))
-    try:  # the optimizers' own checks of range, named with the group
-        if kind == "sgd":
-            return sgd(
-                settings["lr"],
-                settings["momentum"],
-                dampening=settings["dampening"],
-                nesterov=_flag(group["nesterov"], "nesterov", index),
-                weight_decay=settings["weight_decay"],
-            )
-        make = adamw if kind == "adamw" else adam
-        return make(settings["lr"], (beta1, beta2), settings["eps"], settings["weight_decay"])
+    lr, weight_decay = _number(group["lr"], "lr", index), _number(group["weight_decay"], "weight_decay", index)
+    build: Callable[[], Optimizer]
+    if kind == "sgd":
+        momentum, dampening = (
+            _number(group["momentum"], "momentum", index),
+            _number(group["dampening"], "dampening", index),
+        )
+        nesterov = _flag(group["nesterov"], "nesterov", index)
+        build = functools.partial(sgd, lr, momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay)
+    else:
+        betas = group["betas"]
+        if not isinstance(betas, tuple | list) or len(betas) != 2:
+            raise TypeError(f"the state_dict's param group {index} has betas={betas!r}, not a pair of numbers")
+        beta1, beta2 = (_number(beta, f"betas[{i}]", index) for i, beta in enumerate(betas))
+        eps = _number(group["eps"], "eps", index)
+        build = functools.partial(adamw if kind == "adamw" else adam, lr, (beta1, beta2), eps, weight_decay)
+    try:  # the optimizers' own range checks, named with the group
+        return build()
     except (TypeError, ValueError) as error:
         raise type(error)(f"the state_dict's param group {index}: {error}") from None
 
