@@ -50,15 +50,20 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int, length: int, width: int, layers: int, heads: int) -> None:
+    def __init__(self, vocab: int, length: int, width: int, layers: int, heads: int, remat: bool = False) -> None:
         super().__init__()
+        self.remat = remat
         self.tokens, self.positions = nn.Embedding(vocab, width), nn.Embedding(length, width)
         self.blocks = nn.Sequential(*(Block(width, heads) for _ in range(layers)))
         self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.head(self.norm(self.blocks(self.tokens(tokens) + self.positions(positions))))
+        x = self.tokens(tokens) + self.positions(positions)
+        for block in self.blocks:
+            # With remat, a block keeps only its input for the backward pass, which runs it again.
+            x = fmp.remat(block)(x) if self.remat else block(x)
+        return self.head(self.norm(x))
 
 
 def synthetic_batches(
@@ -139,11 +144,14 @@ def main() -> None:
         action="store_true",
         help="keep params and AdamW's moments in bfloat16 (no float32 copy), updated with stochastic rounding",
     )
+    parser.add_argument(
+        "--remat", action="store_true", help="recompute each block in the backward pass (activation checkpointing)"
+    )
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
-    model = GPT(args.vocab, args.length, args.width, args.layers, args.heads).to(device)
+    model = GPT(args.vocab, args.length, args.width, args.layers, args.heads, args.remat).to(device)
     param_dtype = "bfloat16" if args.bf16_params else "float32"
     policy = fmp.get_policy(f"params={param_dtype},compute={args.dtype},output=float32")
 

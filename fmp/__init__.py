@@ -23,6 +23,7 @@ from fmp.module_policy import module_policies
 from fmp.policy import Policy
 from fmp.policy import get_policy
 from fmp.policy import half_dtype
+from fmp.remat import remat
 from fmp.rounding import stochastic_round
 from fmp.state import StepCounts
 from fmp.state import TrainState
@@ -68,6 +69,7 @@ __all__ = [
     "no_autocast",
     "optim",
     "raise_if_stalled",
+    "remat",
     "select_tree",
     "stack_trees",
     "stochastic_round",

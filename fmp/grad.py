@@ -17,6 +17,7 @@ from typing import cast
 import torch
 import torch.utils._pytree as pytree
 
+from fmp._backward import grad_and_aux
 from fmp._checks import check_bool
 from fmp.autocast import autocast
 from fmp.loss_scale import LossScale
@@ -322,7 +323,7 @@ def mixed_precision_grad(
 
         # `args` go in as inputs, not captured: torch.func refuses in-place updates of captured
         # tensors, such as a train-mode BatchNorm's running statistics passed as an argument.
-        return torch.func.grad(scaled_loss_fn, argnums=0, has_aux=True)(params, *args)  # type: ignore[no-any-return]
+        return grad_and_aux(scaled_loss_fn, params, *args)
 
     if not isinstance(scaler, tuple):
         scaled_grads, (loss, aux) = grad_of_loss(0)

@@ -86,6 +86,11 @@ class _TensorScale:
 class NoOpLossScale:
     """No loss scaling: `scale` and `unscale` return their input, `adjust` returns the same state."""
 
+    @classmethod
+    def create(cls) -> NoOpLossScale:
+        """Returns the state, as `StaticLossScale.create` and `DynamicLossScale.create` do theirs."""
+        return cls()
+
     @property
     def loss_scale(self) -> torch.Tensor:
         """The constant scale 1.0 (a fresh CPU tensor: this state holds no tensors)."""

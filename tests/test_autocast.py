@@ -472,8 +472,14 @@ COMPOSITES: dict[str, Callable[[], Any]] = {
 @pytest.mark.parametrize("name", COMPOSITES)
 def test_cpu_rules_match_torch_autocast_cpu_on_composites(name: str) -> None:
     torch.manual_seed(0)
-    with torch.autocast("cpu", torch.bfloat16):
-        expected = _dtypes(COMPOSITES[name]())
+    try:
+        with torch.autocast("cpu", torch.bfloat16):
+            expected = _dtypes(COMPOSITES[name]())
+    except RuntimeError as error:
+        # oneDNN has no bfloat16 LSTM primitive on some CPUs (seen on an AMD EPYC without AVX-512).
+        if "could not create a primitive descriptor" not in str(error):
+            raise
+        pytest.skip(f"torch.autocast('cpu') cannot run the reference {name} on this CPU: {error}")
     torch.manual_seed(0)
     assert _dtypes(autocast(COMPOSITES[name], torch.bfloat16, rules="cpu")()) == expected
 

@@ -59,7 +59,7 @@ def run_transformer_lm(plot: Path, env: dict[str, str] | None = None, *extra: st
     return result.stdout
 
 
-def test_transformer_lm_skips_the_poisoned_step_and_saves_its_plot(tmp_path: Path) -> None:
+def test_transformer_lm_skips_the_poisoned_step_saves_its_plot_and_trains_the_same_with_remat(tmp_path: Path) -> None:
     stdout = run_transformer_lm(tmp_path / "lm.png")
     # Scale 2**16 grows after steps 2 and 5 (two finite steps each) and backs off once for step 3.
     assert "steps applied 5 skipped 1; final loss scale 131072;" in stdout
@@ -67,6 +67,9 @@ def test_transformer_lm_skips_the_poisoned_step_and_saves_its_plot(tmp_path: Pat
     assert last < first
     assert f"plot saved to {tmp_path / 'lm.png'}" in stdout
     assert (tmp_path / "lm.png").read_bytes().startswith(b"\x89PNG")
+    # Recomputing each block in the backward pass changes no gradient: the same losses, digit for digit.
+    remat = run_transformer_lm(tmp_path / "remat.png", None, "--remat")
+    assert re.findall(r"loss: .*", remat) == re.findall(r"loss: .*", stdout)
 
 
 def test_transformer_lm_trains_bfloat16_params_and_runs_without_matplotlib(tmp_path: Path) -> None:

@@ -276,6 +276,27 @@ def test_grad_through_a_train_step_equals_the_plain_meta_gradient() -> None:
     assert ours.abs().sum() > 0
 
 
+def test_gradients_equal_torch_func_grad_whether_or_not_an_outer_transform_differentiates_them() -> None:
+    # Alone (and under vmap) the step backpropagates without recording its backward pass, freeing
+    # activations as it goes; under an outer grad it records it, as torch.func.grad does.
+    params, (x, y) = mlp_params(), next(mlp_batches(1, 0))
+
+    def grads(p: Any) -> Any:
+        return fmp.mixed_precision_grad(mlp_loss, p, fmp.NoOpLossScale(), x, y, policy=F32).grads
+
+    assert_trees_bitwise_equal(grads(params), torch.func.grad(mlp_loss)(params, x, y))
+    # Second order through an outer grad, and with plain autograd tracking an input.
+    norm = torch.func.grad(lambda p: sum(g.square().sum() for g in grads(p).values()))(params)
+    plain = torch.func.grad(lambda p: sum(g.square().sum() for g in torch.func.grad(mlp_loss)(p, x, y).values()))
+    assert_trees_close(norm, plain(params), **TOLERANCES[torch.float32])
+    assert all(bool(n.abs().sum() > 0) for n in pytree.tree_leaves(norm))
+    tracked = x.clone().requires_grad_()
+    loss = fmp.mixed_precision_grad(mlp_loss, params, fmp.NoOpLossScale(), tracked, y, policy=F32)
+    sum(g.square().sum() for g in loss.grads.values()).backward()
+    by_x = torch.func.grad(lambda x: sum(g.square().sum() for g in torch.func.grad(mlp_loss)(params, x, y).values()))
+    assert_trees_close(tracked.grad, by_x(x), **TOLERANCES[torch.float32])
+
+
 @pytest.mark.compiled
 def test_compiled_step_updates_batchnorm_statistics_passed_as_args_like_eager() -> None:
     torch.manual_seed(0)
