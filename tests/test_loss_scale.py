@@ -269,7 +269,8 @@ def test_static_and_noop_states() -> None:
     assert pytree.tree_unflatten(*pytree.tree_flatten(static)).loss_scale is static.loss_scale
     assert static.adjust(torch.tensor(False)) is static
     noop = fmp.NoOpLossScale.create()  # as the other states are made; NoOpLossScale() is the same
-    assert type(noop) is fmp.NoOpLossScale and pytree.tree_leaves(noop) == [] and optree.tree_leaves(noop, namespace=fmp.OPTREE_NAMESPACE) == []
+    assert type(noop) is fmp.NoOpLossScale and pytree.tree_leaves(noop) == []
+    assert optree.tree_leaves(noop, namespace=fmp.OPTREE_NAMESPACE) == []
     tree = {"a": torch.ones(2)}
     assert noop.scale(tree) is tree and noop.unscale(tree) is tree
     assert noop.adjust(torch.tensor(True)) is noop and float(noop.loss_scale) == 1.0
