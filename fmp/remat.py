@@ -231,7 +231,8 @@ def remat(fn: Callable[P, R], *, preserve_rng_state: bool = True) -> Callable[P,
 
     Under `torch.compile`, the wrapper calls `fn` as it is: Dynamo would inline the forward and
     drop the recompute, and in a compiled fmp step forward and backward are one graph whose
-    memory Inductor plans itself. So the memory saving is an eager one.
+    memory Inductor plans itself. So the memory saving is an eager one. Under `torch.no_grad()`
+    (evaluation) it calls `fn` as it is too, at no cost.
 
     `fn` must be a pure function of its arguments. A tensor it differentiates but does not take
     as an argument (a captured parameter) would get no gradient, so reading one raises; wrap an
@@ -266,11 +267,17 @@ def remat(fn: Callable[P, R], *, preserve_rng_state: bool = True) -> Callable[P,
 
     @functools.wraps(fn)
     def rematerialized(*args: P.args, **kwargs: P.kwargs) -> R:
-        if torch.compiler.is_compiling():
+        if _runs_plain():
             return fn(*args, **kwargs)
         return _apply(fn, _name(fn), args, kwargs, preserve_rng_state)  # type: ignore[no-any-return]
 
     return rematerialized
+
+
+def _runs_plain() -> bool:
+    # Compiled, Dynamo would inline the forward and drop the recompute. Under no_grad nothing is
+    # saved for a backward pass (forward-mode tangents still flow through the plain call).
+    return torch.compiler.is_compiling() or not torch.is_grad_enabled()
 
 
 def _remat_module(module: torch.nn.Module, preserve_rng_state: bool) -> Callable[..., Any]:
@@ -278,7 +285,7 @@ def _remat_module(module: torch.nn.Module, preserve_rng_state: bool) -> Callable
         return torch.func.functional_call(module, state, args, kwargs)
 
     def rematerialized(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
+        if _runs_plain():
             return module(*args, **kwargs)
         # Read per call: under functional_call these are the tensors it swapped in.
         state = {**dict(module.named_parameters()), **dict(module.named_buffers())}

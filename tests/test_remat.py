@@ -157,6 +157,8 @@ def test_a_function_is_recomputed_once_in_the_backward_pass() -> None:
     assert wrapped.__name__ == "counted"
     grads = torch.func.grad(lambda w1, w2: wrapped(x, w1, w2).sum(), argnums=(0, 1))(w1, w2)
     assert calls == [False, True]  # forward unrecorded; the recompute records for its vjp
+    with torch.no_grad():  # evaluation: a plain call
+        assert torch.equal(wrapped(x, w1, w2), block_fn(x, w1, w2)) and calls == [False, True, False]
     assert_trees_bitwise_equal(grads, torch.func.grad(lambda w1, w2: block_fn(x, w1, w2).sum(), argnums=(0, 1))(w1, w2))
 
 
