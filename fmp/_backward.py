@@ -12,29 +12,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+from typing import cast
 
 import torch
-import torch.utils._pytree as pytree
-from torch._functorch import eager_transforms
+from torch._functorch.eager_transforms import _vjp_with_argnums
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-# The vjp torch.func.jacrev uses, which differentiates with respect to chosen arguments only; a
-# torch without it takes torch.func.grad's path.
-_vjp_with_argnums: Callable[..., Any] | None = getattr(eager_transforms, "_vjp_with_argnums", None)
 
 __all__ = ["grad_and_aux"]
 
 
-def _differentiated_outside(tree: Any) -> bool:
-    """Whether something outside the call will differentiate through it.
-
-    A torch.func grad or jvp transform around it, or an input autograd tracks (a plain-autograd
-    meta-gradient through a step), needs the backward pass recorded.
-    """
+def _inside_differentiating_transform() -> bool:
+    """Whether a torch.func grad or jvp transform around the call will differentiate through it."""
     differentiating = (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp)
-    if any(interpreter.key() in differentiating for interpreter in retrieve_all_functorch_interpreters()):
-        return True
-    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in pytree.tree_leaves(tree))
+    return any(interpreter.key() in differentiating for interpreter in retrieve_all_functorch_interpreters())
 
 
 def grad_and_aux(fn: Callable[..., tuple[torch.Tensor, Any]], params: Any, *args: Any) -> tuple[Any, Any]:
@@ -50,8 +40,11 @@ def grad_and_aux(fn: Callable[..., tuple[torch.Tensor, Any]], params: Any, *args
         `(grads, aux)`: the gradients in the structure of `params`, and `fn`'s aux.
     """
     # Compiled, forward and backward are one graph whose buffers Inductor frees by itself.
-    if _vjp_with_argnums is None or torch.compiler.is_compiling() or _differentiated_outside((params, args)):
+    if torch.compiler.is_compiling() or _inside_differentiating_transform():
         return torch.func.grad(fn, argnums=0, has_aux=True)(params, *args)  # type: ignore[no-any-return]
-    loss, pullback, aux = _vjp_with_argnums(fn, params, *args, argnums=0, has_aux=True)
-    grads = pullback(torch.ones_like(loss), retain_graph=False, create_graph=False)
+    loss, pullback, aux = cast(tuple[Any, Any, Any], _vjp_with_argnums(fn, params, *args, argnums=0, has_aux=True))
+    # A loss autograd tracks outside the transform (through an input, or a tensor `fn` captured,
+    # that requires grad: a meta-gradient) needs the backward pass recorded, as torch.func.grad does.
+    record = loss.requires_grad
+    grads = pullback(torch.ones_like(loss), retain_graph=record, create_graph=record)
     return grads, aux

@@ -245,6 +245,119 @@ def test_captured_tensors_that_need_gradients_are_refused() -> None:
     assert torch.func.grad(masked)(w1).abs().sum() > 0
 
 
+class NormNet(nn.Module):
+    def __init__(self, remat: bool) -> None:
+        super().__init__()
+        self.inner, self.norm, self.outer = nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8)
+        self.remat = remat
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outer(torch.relu((fmp.remat(self.norm) if self.remat else self.norm)(self.inner(x))))
+
+
+def test_batchnorm_inside_updates_its_statistics_once_and_matches_the_unwrapped_model() -> None:
+    # The recompute updates copies of the running statistics, so they move once per forward pass
+    # (torch.utils.checkpoint moves them twice). Buffers go in through *args, as fmp's step takes them.
+    torch.manual_seed(0)
+    plain, wrapped = NormNet(False), NormNet(True)
+    wrapped.load_state_dict(plain.state_dict())
+    params = {k: v.detach() for k, v in plain.named_parameters()}
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
+
+    def run(model: nn.Module, train: bool) -> tuple[Any, dict[str, torch.Tensor]]:
+        model.train(train)
+        buffers = {k: v.clone() for k, v in model.named_buffers()}
+
+        def loss(params: Any, buffers: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.mse_loss(torch.func.functional_call(model, {**params, **buffers}, (x,)), y)
+
+        grads = fmp.mixed_precision_grad(loss, params, fmp.NoOpLossScale(), buffers, x, y, policy=fmp.Policy())
+        return grads.grads, buffers
+
+    for train in (True, False):
+        ours, reference = run(wrapped, train), run(plain, train)
+        assert_trees_bitwise_equal(ours, reference)
+        assert int(ours[1]["norm.num_batches_tracked"]) == int(train)
+        assert train == (not torch.equal(ours[1]["norm.running_mean"], torch.zeros(8)))
+
+
+def test_a_tensor_passed_and_also_read_from_a_module_is_refused_and_views_of_arguments_pass() -> None:
+    layer = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="not one of its arguments"):
+        fmp.remat(lambda h, w: layer(h) @ w)(x, layer.weight)  # the module reads its own weight too
+    # Views of the arguments, and a module's own weights when the module itself is wrapped, pass.
+    fmp.remat(lambda h, w: h.t().t() @ w.T)(x, layer.weight).sum().backward()
+
+    class Transposed(nn.Linear):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h @ self.weight.T + self.bias
+
+    torch.manual_seed(0)
+    module = Transposed(8, 8)
+    loss = fmp.remat(module)(x).square().sum()
+    assert fmp.remat(module).__name__ == "forward"
+    ours = torch.autograd.grad(loss, [x, module.weight, module.bias])
+    assert_trees_bitwise_equal(ours, torch.autograd.grad(module(x).square().sum(), [x, module.weight, module.bias]))
+    # Reading only a captured tensor's shape carries no gradient, so it passes.
+    w = torch.randn(8, 8, requires_grad=True)
+    fmp.remat(lambda h, v: (h @ v).reshape(w.shape[0] // 2, -1))(x, w).sum().backward()
+
+
+def test_module_policies_are_replayed_in_the_recompute() -> None:
+    policy = fmp.get_policy("params=float32,compute=bfloat16,output=float32")
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self, remat: bool) -> None:
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+            self.remat = remat
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (fmp.remat(self.block) if self.remat else self.block)(x)
+
+    plain, wrapped = Net(False), Net(True)
+    wrapped.load_state_dict(plain.state_dict())
+    params = {k: v.detach() for k, v in plain.named_parameters()}
+    x, y = torch.randn(5, 4), torch.randn(5, 4)
+    for key in ("block", "block.0"):  # the wrapped module itself, and a module inside it
+
+        def grads(model: nn.Module, key: str) -> Any:
+            def loss(p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+                return F.mse_loss(torch.func.functional_call(model, p, (x,)), y)
+
+            fn = fmp.module_policies(loss, model, {key: fmp.get_policy("float32")})
+            return fmp.mixed_precision_grad(fn, params, fmp.NoOpLossScale(), x, y, policy=policy)
+
+        assert_trees_bitwise_equal(grads(wrapped, key), grads(plain, key))
+
+
+def test_inputs_updated_in_place_and_returned_constants_are_handled() -> None:
+    x, w1, _ = block_weights()
+    tracked = x.clone().requires_grad_()
+
+    def doubles_its_input(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h.mul_(2)
+        return h @ w
+
+    with pytest.raises(RuntimeError, match=r"updated its argument args\[0\] in place"):
+        torch.func.grad(lambda h: fmp.remat(doubles_its_input)(h, w1).sum())(tracked.detach() + 0)
+    # A constant returned as it is stays the caller's tensor, untouched by autograd.
+    constant = torch.ones(3)
+    out = fmp.remat(lambda h: (h.sum(), constant))(tracked)
+    assert out[1] is not constant and torch.equal(out[1], constant)
+    assert constant.is_leaf and constant.grad_fn is None and not constant.requires_grad
+    # A constant updated between the forward and the backward pass would feed the recompute new values.
+    scale = torch.full((8,), 2.0)
+    y = fmp.remat(lambda h, s: h * s)(tracked, scale)
+    scale.add_(1)
+    with pytest.raises(
+        RuntimeError, match=r"argument args\[1\] was updated in place between the forward and the backward"
+    ):
+        y.sum().backward()
+
+
 def test_bad_arguments_are_named() -> None:
     with pytest.raises(TypeError, match=r"fmp\.remat wraps a function or an nn\.Module, got int"):
         fmp.remat(3)  # type: ignore[arg-type]

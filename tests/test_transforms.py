@@ -295,6 +295,14 @@ def test_gradients_equal_torch_func_grad_whether_or_not_an_outer_transform_diffe
     sum(g.square().sum() for g in loss.grads.values()).backward()
     by_x = torch.func.grad(lambda x: sum(g.square().sum() for g in torch.func.grad(mlp_loss)(params, x, y).values()))
     assert_trees_close(tracked.grad, by_x(x), **TOLERANCES[torch.float32])
+    # And through a tensor the loss captures rather than takes (a learned loss weight).
+    weight = torch.tensor(0.5, requires_grad=True)
+    weighted = fmp.mixed_precision_grad(
+        lambda p, x, y: weight * mlp_loss(p, x, y), params, fmp.NoOpLossScale(), x, y, policy=F32
+    )
+    (by_weight,) = torch.autograd.grad(sum(g.sum() for g in weighted.grads.values()), weight)
+    plain_by_weight = sum(g.sum() for g in torch.func.grad(mlp_loss)(params, x, y).values())
+    torch.testing.assert_close(by_weight, plain_by_weight, **TOLERANCES[torch.float32])
 
 
 @pytest.mark.compiled

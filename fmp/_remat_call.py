@@ -1,0 +1,239 @@
+"""One call of a rematerialized function: its forward without a record, its recompute, its checks.
+
+The call's floating-point tensor arguments that autograd or a torch.func transform sees (tracked,
+or wrapped by a transform, which must unwrap them) are the autograd.Function's inputs, and those
+being differentiated get gradients; every other leaf (integers, plain data) is a constant the
+call closes over. The forward runs on detached aliases of the inputs under a function mode that
+refuses a differentiated tensor read from anywhere else, since that tensor's gradient would be
+lost. Every tensor argument enters the recompute as an argument (torch.func refuses in-place
+updates of captured tensors); one the forward updated in place, and every buffer of a wrapped
+module (BatchNorm updates its running statistics without bumping their version counters), enters
+as a copy, so the caller's tensor is updated once, by the forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch._functorch.eager_transforms import _vjp_with_argnums
+from torch.overrides import TorchFunctionMode
+
+from fmp._replay import Ambient
+
+__all__ = ["Call", "differentiable"]
+
+# Calls whose result carries no gradient of their tensor arguments: property reads (x.shape),
+# metadata, and factories that take only a shape and dtype from them.
+_NO_GRADIENT_THROUGH = frozenset(
+    {"__get__", "size", "dim", "numel", "is_floating_point", "is_complex", "element_size", "stride"}
+    | {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like"}
+)
+
+
+def differentiable(x: Any) -> bool:
+    """Whether `x` is a tensor of a dtype autograd differentiates."""
+    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
+
+
+def _is_differentiated(x: torch.Tensor) -> bool:
+    """Whether autograd or a torch.func grad transform tracks `x`, at any of its wrappers' levels."""
+    if not differentiable(x):
+        return False
+    while True:
+        if x.requires_grad:
+            return True
+        if not torch._C._functorch.is_functorch_wrapped_tensor(x):
+            return False
+        x = torch._C._functorch.get_unwrapped(x)
+
+
+def _seen_by_autograd(x: torch.Tensor) -> bool:
+    # A tensor a torch.func transform wraps must enter the autograd.Function as an input, which
+    # the transform unwraps: the forward runs below the transform's level.
+    return x.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(x)
+
+
+def _version(x: torch.Tensor) -> int:
+    # A torch.func wrapper keeps a version counter of its own; in-place updates below it count
+    # on the tensor it wraps.
+    while torch._C._functorch.is_functorch_wrapped_tensor(x):
+        x = torch._C._functorch.get_unwrapped(x)
+    return x._version
+
+
+def _alive(tensors: tuple[Any, ...] | list[Any]) -> tuple[Any, ...]:
+    # A block nested in a rematerialized block is pulled back after the outer recompute's
+    # torch.func level has exited; the tensors it kept still wear that dead level's wrapper.
+    return tuple(torch._C._functorch.unwrap_if_dead(x) if isinstance(x, torch.Tensor) else x for x in tensors)
+
+
+class _NoCapturedGradients(TorchFunctionMode):
+    """Refuses a differentiated tensor the function reads without taking it as an argument.
+
+    Also records the tensors the calls return, so outputs made before the call can be told apart.
+    """
+
+    def __init__(self, name: str, inputs: tuple[torch.Tensor, ...]) -> None:
+        super().__init__()
+        self.name = name
+        self.input_ids = {id(x) for x in inputs}
+        self.created: set[int] = set()
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) not in _NO_GRADIENT_THROUGH:
+            for leaf in pytree.tree_leaves((args, kwargs)):
+                if isinstance(leaf, torch.Tensor) and id(leaf) not in self.input_ids and _is_differentiated(leaf):
+                    # Not a TypeError: Tensor's operators turn a TypeError into NotImplemented.
+                    raise RuntimeError(
+                        f"fmp.remat: {self.name} reads a tensor of shape {tuple(leaf.shape)} that is being "
+                        f"differentiated but is not one of its arguments (a captured parameter or activation); "
+                        f"its gradient would be lost. Pass it as an argument, or wrap the nn.Module itself "
+                        f"(fmp.remat(layer)), which passes the module's parameters for you"
+                    )
+        out = func(*args, **kwargs)
+        self.created.update(id(x) for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor))
+        return out
+
+
+class Call:
+    """One call of a wrapped function, from its arguments to the gradients of its outputs.
+
+    Args:
+        fn: The wrapped function.
+        name: Its name, for error messages.
+        args: Its positional arguments.
+        kwargs: Its keyword arguments.
+        ambient: The state around the call, which the recompute replays.
+        copied: Ids of tensors among the arguments the recompute always gets a copy of.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        name: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        ambient: Ambient,
+        copied: frozenset[int] = frozenset(),
+    ) -> None:
+        self.fn, self.name, self.ambient = fn, name, ambient
+        with_paths, self.spec = pytree.tree_flatten_with_path((args, kwargs))
+        leaves = [leaf for _, leaf in with_paths]
+        self.where = [_argument_name(path) for path, _ in with_paths]
+        self.slots = [i for i, leaf in enumerate(leaves) if differentiable(leaf) and _seen_by_autograd(leaf)]
+        slots = set(self.slots)
+        self.constants: list[Any] = [None if i in slots else leaf for i, leaf in enumerate(leaves)]
+        self.inputs = [leaves[i] for i in self.slots]
+        self.differentiated = [_is_differentiated(x) for x in self.inputs]
+        self.tensor_constants = [i for i, c in enumerate(self.constants) if isinstance(c, torch.Tensor)]
+        # Which of the recompute's arguments (inputs, then tensor constants) get copies.
+        self.copies = [id(leaves[i]) in copied for i in self.slots + self.tensor_constants]
+        self.constant_versions: list[tuple[int, int]] = []
+        self.out_spec: pytree.TreeSpec | None = None
+        self.differentiable_outputs: list[bool] = []
+
+    def _run(self, inputs: tuple[torch.Tensor, ...], constants: tuple[torch.Tensor, ...] | None = None) -> Any:
+        leaves = list(_alive(self.constants))
+        for slot, tensor in zip(self.slots, inputs, strict=True):
+            leaves[slot] = tensor
+        for index, tensor in zip(self.tensor_constants, constants or (), strict=constants is not None):
+            leaves[index] = tensor
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        return self.ambient.run(self.fn, *args, **kwargs)
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Runs the call with nothing recorded, and notes its outputs and what it updated in place."""
+        # Fresh objects: the same tensor read from elsewhere (a module's own weight) is told apart.
+        aliases = tuple(x.detach() for x in inputs)
+        arguments = [*aliases, *(self.constants[i] for i in self.tensor_constants)]
+        before = [_version(x) for x in arguments]
+        mode = _NoCapturedGradients(self.name, aliases)
+        with torch.no_grad(), mode:
+            out = self._run(aliases)
+        for n, (x, version) in enumerate(zip(arguments, before, strict=True)):
+            if _version(x) == version:
+                continue
+            if n < len(aliases) and self.differentiated[n]:
+                raise RuntimeError(
+                    f"fmp.remat: {self.name} updated its argument {self.where[self.slots[n]]} in place, so its "
+                    f"recompute would start from the updated value; update a copy (x = x.clone()) instead"
+                )
+            self.copies[n] = True
+        self.constant_versions = [(i, _version(self.constants[i])) for i in self.tensor_constants]
+        out_leaves, self.out_spec = pytree.tree_flatten(out)
+        for path, leaf in pytree.tree_flatten_with_path(out)[0]:
+            if not isinstance(leaf, torch.Tensor):
+                raise TypeError(
+                    f"fmp.remat: {self.name} returned a {type(leaf).__name__} at output{pytree.keystr(path)}; "
+                    f"a rematerialized function returns tensors only (compute constants outside it)"
+                )
+        self.differentiable_outputs = [differentiable(leaf) for leaf in out_leaves]
+        # A tensor that existed before the call (an argument, a captured constant) returned as it
+        # is would be marked as the Function's output in place; a view of it is a new tensor.
+        return tuple(o if id(o) in mode.created else o.view_as(o) for o in out_leaves)
+
+    def _recomputed(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        inputs, constants = tensors[: len(self.slots)], tensors[len(self.slots) :]
+        outs = pytree.tree_leaves(self._run(inputs, constants))
+        return tuple(o for o, keep in zip(outs, self.differentiable_outputs, strict=True) if keep)
+
+    def _recompute_arguments(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The inputs, then the tensor constants, each to be updated a copy.
+
+        The recompute updates the copies, so the caller's tensors are updated once, by the forward.
+        (autograd checks the saved inputs' versions; the constants are checked here.)
+        """
+        for index, version in self.constant_versions:
+            if _version(self.constants[index]) != version:
+                raise RuntimeError(
+                    f"fmp.remat: {self.name}'s argument {self.where[index]} was updated in place between the "
+                    f"forward and the backward pass, so the recompute would read the new value; update a copy"
+                )
+        arguments = [*inputs, *_alive([self.constants[i] for i in self.tensor_constants])]
+        return tuple(x.clone() if copy else x for x, copy in zip(arguments, self.copies, strict=True))
+
+    def pullback(
+        self, inputs: tuple[torch.Tensor, ...], cotangents: tuple[torch.Tensor | None, ...]
+    ) -> tuple[torch.Tensor | None, ...]:
+        """Recomputes the call under the state it first ran in, and pulls `cotangents` back to the inputs."""
+        arguments = self._recompute_arguments(_alive(inputs))
+        cotangents = _alive(cotangents)
+        argnums = tuple(n for n, differentiated in enumerate(self.differentiated) if differentiated)
+        with self.ambient.replayed():
+            # Everything goes in as an argument: torch.func lets a function update its arguments in
+            # place, not the tensors it captures, and differentiates only those in argnums.
+            outs, vjp_fn = _vjp_with_argnums(self._recomputed, *arguments, argnums=argnums)[:2]
+        kept = [c for c, keep in zip(cotangents, self.differentiable_outputs, strict=True) if keep]
+        # An output the loss does not use may come back as None; its cotangent is zero.
+        kept = [torch.zeros_like(o) if c is None else c for c, o in zip(kept, outs, strict=True)]
+        # The recompute's activations are freed as its backward uses them, unless an outer
+        # transform differentiates this backward (the outer backward then runs with grad enabled).
+        record = torch.is_grad_enabled()
+        grads = iter(vjp_fn(tuple(kept), retain_graph=record, create_graph=record))
+        return tuple(next(grads) if differentiated else None for differentiated in self.differentiated)
+
+    def pushforward(
+        self, inputs: tuple[torch.Tensor, ...], tangents: tuple[torch.Tensor | None, ...]
+    ) -> tuple[torch.Tensor | None, ...]:
+        """Recomputes the call under the state it first ran in, pushing `tangents` forward to the outputs."""
+        arguments = self._recompute_arguments(_alive(inputs))
+        inputs, constants = arguments[: len(self.slots)], arguments[len(self.slots) :]
+        # An input without a tangent (None) moves by zero.
+        tangents = tuple(torch.zeros_like(x) if t is None else t for x, t in zip(inputs, _alive(tangents), strict=True))
+        with self.ambient.replayed():
+            out_tangents = torch.func.jvp(lambda *xs: self._recomputed(*xs, *constants), inputs, tangents)[1]
+        kept = iter(out_tangents)
+        return tuple(next(kept) if keep else None for keep in self.differentiable_outputs)
+
+
+def _argument_name(path: tuple[Any, ...]) -> str:
+    # Paths run through the (args, kwargs) pair: (0, 2) is the third positional argument.
+    (which, position), rest = path[:2], path[2:]
+    head = f"args[{position.idx}]" if which.idx == 0 else repr(position.key)
+    return head + pytree.keystr(rest)
