@@ -129,14 +129,18 @@ class Call:
         self.slots = [i for i, leaf in enumerate(leaves) if differentiable(leaf) and _seen_by_autograd(leaf)]
         slots = set(self.slots)
         self.constants: list[Any] = [None if i in slots else leaf for i, leaf in enumerate(leaves)]
-        self.inputs = [leaves[i] for i in self.slots]
-        self.differentiated = [_is_differentiated(x) for x in self.inputs]
+        self.differentiated = [_is_differentiated(leaves[i]) for i in self.slots]
         self.tensor_constants = [i for i, c in enumerate(self.constants) if isinstance(c, torch.Tensor)]
         # Which of the recompute's arguments (inputs, then tensor constants) get copies.
         self.copies = [id(leaves[i]) in copied for i in self.slots + self.tensor_constants]
         self.constant_versions: list[tuple[int, int]] = []
         self.out_spec: pytree.TreeSpec | None = None
         self.differentiable_outputs: list[bool] = []
+
+    def inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        """The autograd.Function's inputs among the call's arguments (not kept: autograd saves them)."""
+        leaves = pytree.tree_leaves((args, kwargs))
+        return [leaves[i] for i in self.slots]
 
     def _run(self, inputs: tuple[torch.Tensor, ...], constants: tuple[torch.Tensor, ...] | None = None) -> Any:
         leaves = list(_alive(self.constants))

@@ -120,7 +120,8 @@ def remat(fn: Callable[P, R], *, preserve_rng_state: bool = True) -> Callable[P,
     def rematerialized(*args: P.args, **kwargs: P.kwargs) -> R:
         if _runs_plain():
             return fn(*args, **kwargs)
-        return _apply(Call(fn, _name(fn), args, kwargs, _ambient((args, kwargs), preserve_rng_state, ())))  # type: ignore[no-any-return]
+        call = Call(fn, _name(fn), args, kwargs, _ambient((args, kwargs), preserve_rng_state, ()))
+        return _apply(call, call.inputs(args, kwargs))  # type: ignore[no-any-return]
 
     return rematerialized
 
@@ -145,7 +146,8 @@ def _remat_module(module: torch.nn.Module, preserve_rng_state: bool) -> Callable
         ambient = _ambient(arguments, preserve_rng_state, tuple(module.modules()))
         # Buffers are always copied for the recompute: BatchNorm updates its statistics unseen.
         copied = frozenset(id(b) for b in buffers.values())
-        return _apply(Call(run_module, type(module).__name__, arguments, {}, ambient, copied))
+        call = Call(run_module, type(module).__name__, arguments, {}, ambient, copied)
+        return _apply(call, call.inputs(arguments, {}))
 
     # The forward's name, docstring and signature (inspect.signature follows __wrapped__).
     return functools.update_wrapper(rematerialized, module.forward, updated=())
@@ -156,7 +158,8 @@ def _ambient(arguments: Any, rng: bool, modules: tuple[torch.nn.Module, ...]) ->
     return Ambient(devices, rng, modules)
 
 
-def _apply(call: Call) -> Any:
-    outputs = _Recompute.apply(call, *call.inputs)  # type: ignore[no-untyped-call]
+def _apply(call: Call, inputs: list[torch.Tensor]) -> Any:
+    # The call keeps no reference to its inputs: autograd saves them, and frees them with the node.
+    outputs = _Recompute.apply(call, *inputs)  # type: ignore[no-untyped-call]
     # The forward that just ran recorded the output structure.
     return pytree.tree_unflatten(list(outputs), cast(pytree.TreeSpec, call.out_spec))
