@@ -1,14 +1,13 @@
 """One call of a rematerialized function: its forward without a record, its recompute, its checks.
 
-The call's floating-point tensor arguments that autograd or a torch.func transform sees (tracked,
-or wrapped by a transform, which must unwrap them) are the autograd.Function's inputs, and those
-being differentiated get gradients; every other leaf (integers, plain data) is a constant the
-call closes over. The forward runs on detached aliases of the inputs under a function mode that
-refuses a differentiated tensor read from anywhere else, since that tensor's gradient would be
-lost. Every tensor argument enters the recompute as an argument (torch.func refuses in-place
-updates of captured tensors); one the forward updated in place, and every buffer of a wrapped
-module (BatchNorm updates its running statistics without bumping their version counters), enters
-as a copy, so the caller's tensor is updated once, by the forward.
+Every tensor among the call's arguments is an input of the autograd.Function, so autograd saves
+it, checks it is not updated before the backward pass, and frees it with the node; torch.func
+transforms unwrap them all, whatever their dtype. Those autograd or a grad transform tracks get
+gradients; other leaves (numbers, None) are constants the call closes over. The forward runs on
+detached aliases of the inputs under a function mode that refuses a differentiated tensor read
+from anywhere else, since that tensor's gradient would be lost. An input the forward updated in
+place that nothing differentiates, and a BatchNorm's running statistics (updated without bumping
+their version counters), enter the recompute as copies, so the caller's tensor is updated once.
 """
 
 from __future__ import annotations
@@ -25,11 +24,16 @@ from fmp._replay import Ambient
 
 __all__ = ["Call", "differentiable"]
 
-# Calls whose result carries no gradient of their tensor arguments: property reads (x.shape),
-# metadata, and factories that take only a shape and dtype from them.
+# Calls whose result carries no gradient of their tensor arguments: metadata, and factories that
+# take only a shape and dtype from them.
 _NO_GRADIENT_THROUGH = frozenset(
-    {"__get__", "size", "dim", "numel", "is_floating_point", "is_complex", "element_size", "stride"}
+    {"size", "dim", "numel", "is_floating_point", "is_complex", "element_size", "stride"}
     | {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like"}
+)
+# Properties read through `__get__` that return metadata, not a view (x.T and x.real are views).
+_METADATA_PROPERTIES = frozenset(
+    {"shape", "dtype", "device", "ndim", "layout", "requires_grad", "is_leaf", "names", "itemsize", "nbytes"}
+    | {"is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested"}
 )
 
 
@@ -50,10 +54,11 @@ def _is_differentiated(x: torch.Tensor) -> bool:
         x = torch._C._functorch.get_unwrapped(x)
 
 
-def _seen_by_autograd(x: torch.Tensor) -> bool:
-    # A tensor a torch.func transform wraps must enter the autograd.Function as an input, which
-    # the transform unwraps: the forward runs below the transform's level.
-    return x.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(x)
+def _carries_no_gradient(func: Any) -> bool:
+    name = getattr(func, "__name__", None)
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", None) in _METADATA_PROPERTIES
+    return name in _NO_GRADIENT_THROUGH
 
 
 def _version(x: torch.Tensor) -> int:
@@ -86,7 +91,7 @@ class _NoCapturedGradients(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if getattr(func, "__name__", None) not in _NO_GRADIENT_THROUGH:
+        if not _carries_no_gradient(func):
             for leaf in pytree.tree_leaves((args, kwargs)):
                 if isinstance(leaf, torch.Tensor) and id(leaf) not in self.input_ids and _is_differentiated(leaf):
                     # Not a TypeError: Tensor's operators turn a TypeError into NotImplemented.
@@ -110,7 +115,8 @@ class Call:
         args: Its positional arguments.
         kwargs: Its keyword arguments.
         ambient: The state around the call, which the recompute replays.
-        copied: Ids of tensors among the arguments the recompute always gets a copy of.
+        copied: Ids of tensors among the arguments the recompute always gets a copy of (their
+            updates are not seen by version counters).
     """
 
     def __init__(
@@ -126,14 +132,11 @@ class Call:
         with_paths, self.spec = pytree.tree_flatten_with_path((args, kwargs))
         leaves = [leaf for _, leaf in with_paths]
         self.where = [_argument_name(path) for path, _ in with_paths]
-        self.slots = [i for i, leaf in enumerate(leaves) if differentiable(leaf) and _seen_by_autograd(leaf)]
+        self.slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         slots = set(self.slots)
         self.constants: list[Any] = [None if i in slots else leaf for i, leaf in enumerate(leaves)]
         self.differentiated = [_is_differentiated(leaves[i]) for i in self.slots]
-        self.tensor_constants = [i for i, c in enumerate(self.constants) if isinstance(c, torch.Tensor)]
-        # Which of the recompute's arguments (inputs, then tensor constants) get copies.
-        self.copies = [id(leaves[i]) in copied for i in self.slots + self.tensor_constants]
-        self.constant_versions: list[tuple[int, int]] = []
+        self.copies = [id(leaves[i]) in copied for i in self.slots]  # inputs the recompute gets copies of
         self.out_spec: pytree.TreeSpec | None = None
         self.differentiable_outputs: list[bool] = []
 
@@ -142,12 +145,10 @@ class Call:
         leaves = pytree.tree_leaves((args, kwargs))
         return [leaves[i] for i in self.slots]
 
-    def _run(self, inputs: tuple[torch.Tensor, ...], constants: tuple[torch.Tensor, ...] | None = None) -> Any:
-        leaves = list(_alive(self.constants))
+    def _run(self, inputs: tuple[torch.Tensor, ...]) -> Any:
+        leaves = list(self.constants)
         for slot, tensor in zip(self.slots, inputs, strict=True):
             leaves[slot] = tensor
-        for index, tensor in zip(self.tensor_constants, constants or (), strict=constants is not None):
-            leaves[index] = tensor
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
         return self.ambient.run(self.fn, *args, **kwargs)
 
@@ -155,21 +156,19 @@ class Call:
         """Runs the call with nothing recorded, and notes its outputs and what it updated in place."""
         # Fresh objects: the same tensor read from elsewhere (a module's own weight) is told apart.
         aliases = tuple(x.detach() for x in inputs)
-        arguments = [*aliases, *(self.constants[i] for i in self.tensor_constants)]
-        before = [_version(x) for x in arguments]
+        before = [_version(x) for x in aliases]
         mode = _NoCapturedGradients(self.name, aliases)
         with torch.no_grad(), mode:
             out = self._run(aliases)
-        for n, (x, version) in enumerate(zip(arguments, before, strict=True)):
+        for n, (x, version) in enumerate(zip(aliases, before, strict=True)):
             if _version(x) == version:
                 continue
-            if n < len(aliases) and self.differentiated[n]:
+            if self.differentiated[n]:
                 raise RuntimeError(
                     f"fmp.remat: {self.name} updated its argument {self.where[self.slots[n]]} in place, so its "
                     f"recompute would start from the updated value; update a copy (x = x.clone()) instead"
                 )
             self.copies[n] = True
-        self.constant_versions = [(i, _version(self.constants[i])) for i in self.tensor_constants]
         out_leaves, self.out_spec = pytree.tree_flatten(out)
         for path, leaf in pytree.tree_flatten_with_path(out)[0]:
             if not isinstance(leaf, torch.Tensor):
@@ -182,31 +181,19 @@ class Call:
         # is would be marked as the Function's output in place; a view of it is a new tensor.
         return tuple(o if id(o) in mode.created else o.view_as(o) for o in out_leaves)
 
-    def _recomputed(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        inputs, constants = tensors[: len(self.slots)], tensors[len(self.slots) :]
-        outs = pytree.tree_leaves(self._run(inputs, constants))
+    def _recomputed(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outs = pytree.tree_leaves(self._run(inputs))
         return tuple(o for o, keep in zip(outs, self.differentiable_outputs, strict=True) if keep)
 
     def _recompute_arguments(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """The inputs, then the tensor constants, each to be updated a copy.
-
-        The recompute updates the copies, so the caller's tensors are updated once, by the forward.
-        (autograd checks the saved inputs' versions; the constants are checked here.)
-        """
-        for index, version in self.constant_versions:
-            if _version(self.constants[index]) != version:
-                raise RuntimeError(
-                    f"fmp.remat: {self.name}'s argument {self.where[index]} was updated in place between the "
-                    f"forward and the backward pass, so the recompute would read the new value; update a copy"
-                )
-        arguments = [*inputs, *_alive([self.constants[i] for i in self.tensor_constants])]
-        return tuple(x.clone() if copy else x for x, copy in zip(arguments, self.copies, strict=True))
+        # The recompute updates copies, so the caller's tensors are updated once, by the forward.
+        return tuple(x.clone() if copy else x for x, copy in zip(_alive(inputs), self.copies, strict=True))
 
     def pullback(
         self, inputs: tuple[torch.Tensor, ...], cotangents: tuple[torch.Tensor | None, ...]
     ) -> tuple[torch.Tensor | None, ...]:
         """Recomputes the call under the state it first ran in, and pulls `cotangents` back to the inputs."""
-        arguments = self._recompute_arguments(_alive(inputs))
+        arguments = self._recompute_arguments(inputs)
         cotangents = _alive(cotangents)
         argnums = tuple(n for n, differentiated in enumerate(self.differentiated) if differentiated)
         with self.ambient.replayed():
@@ -226,12 +213,19 @@ class Call:
         self, inputs: tuple[torch.Tensor, ...], tangents: tuple[torch.Tensor | None, ...]
     ) -> tuple[torch.Tensor | None, ...]:
         """Recomputes the call under the state it first ran in, pushing `tangents` forward to the outputs."""
-        arguments = self._recompute_arguments(_alive(inputs))
-        inputs, constants = arguments[: len(self.slots)], arguments[len(self.slots) :]
-        # An input without a tangent (None) moves by zero.
-        tangents = tuple(torch.zeros_like(x) if t is None else t for x, t in zip(inputs, _alive(tangents), strict=True))
+        arguments = self._recompute_arguments(inputs)
+        tangents = _alive(tangents)
+        # The inputs given tangents are the primals; the others (integers, data) stay fixed.
+        moving = [t is not None and differentiable(x) for x, t in zip(arguments, tangents, strict=True)]
+        primals = tuple(x for x, m in zip(arguments, moving, strict=True) if m)
+        tangents = tuple(t for t, m in zip(tangents, moving, strict=True) if m)
+
+        def with_primals(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            given = iter(xs)
+            return self._recomputed(*(next(given) if m else x for x, m in zip(arguments, moving, strict=True)))
+
         with self.ambient.replayed():
-            out_tangents = torch.func.jvp(lambda *xs: self._recomputed(*xs, *constants), inputs, tangents)[1]
+            out_tangents = torch.func.jvp(with_primals, primals, tangents)[1]
         kept = iter(out_tangents)
         return tuple(next(kept) if keep else None for keep in self.differentiable_outputs)
 

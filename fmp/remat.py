@@ -20,6 +20,8 @@ from typing import cast
 
 import torch
 import torch.utils._pytree as pytree
+from torch.autograd import forward_ad
+from torch.nn.modules.batchnorm import _NormBase
 
 from fmp._remat_call import Call
 from fmp._remat_call import differentiable
@@ -67,9 +69,13 @@ def remat(fn: Callable[P, R], *, preserve_rng_state: bool = True) -> Callable[P,
     keeps only the block's inputs between the forward and the backward pass; the backward runs
     the block again to get its gradients. Works eagerly in fmp's step, under `torch.func.vjp`,
     `vmap` and `jvp`, and with plain autograd (`loss.backward()`), where `torch.utils.checkpoint`
-    fails under torch.func. The gradients equal those of `fn` itself bit for bit: the recompute
-    runs under the fmp autocast region, `fmp.module_policies` forwards, torch.autocast state and
-    random number generator states the first run saw.
+    fails under torch.func. The gradients equal those of `fn` itself bit for bit (in fmp's step,
+    a `vmap` over it, and `loss.backward()`): the recompute runs under the fmp autocast region,
+    `fmp.module_policies` forwards, torch.autocast state and random number generator states the
+    first run saw. Where a `vmap` runs inside the differentiation with weights shared across the
+    batch (`grad(vmap(f))`), torch's batching rule for an autograd.Function sums per-sample
+    weight gradients, which rounds differently (~1e-7 in float32). `torch.autograd.forward_ad`
+    dual tensors are refused: use `torch.func.jvp`.
 
     The saving needs a backward pass that frees what it has used, as fmp's step and
     `loss.backward()` run it. A bare `torch.func.grad` keeps its whole graph to the end
@@ -84,12 +90,13 @@ def remat(fn: Callable[P, R], *, preserve_rng_state: bool = True) -> Callable[P,
     as an argument (a captured parameter, or a module's weight read beside the one passed in)
     would get no gradient, so reading one raises; wrap an `nn.Module` itself and its current
     parameters and buffers are passed in for you (including the ones
-    `torch.func.functional_call` swapped in). Updating a differentiated argument in place raises.
-    A wrapped module's buffers, and any other argument the forward updates in place that bumps
-    its version counter, are updated once, by the forward: the recompute updates copies (a
-    BatchNorm's running statistics move once per step, where `torch.utils.checkpoint` moves them
-    twice). A function, not a module, calling BatchNorm on buffers it is passed updates them
-    twice, since BatchNorm updates them without bumping their version: wrap the module.
+    `torch.func.functional_call` swapped in). Under `torch.func.jvp` only arguments carry
+    tangents: a captured tensor's tangent is not detected, so pass it in. Updating a
+    differentiated argument in place raises. Any other argument the forward updates in place is
+    updated once, by the forward: the recompute updates a copy (a wrapped BatchNorm's running
+    statistics move once per step, where `torch.utils.checkpoint` moves them twice). BatchNorm
+    updates them without bumping their version counters, so only a wrapped module's norm layers
+    are known to: a function calling BatchNorm on buffers it is passed updates them twice.
 
     Args:
         fn: The function or `nn.Module` to wrap. Its arguments are pytrees; their floating-point
@@ -140,17 +147,24 @@ def _remat_module(module: torch.nn.Module, preserve_rng_state: bool) -> Callable
         if _runs_plain():
             return module(*args, **kwargs)
         # Read per call: under functional_call these are the tensors it swapped in.
-        buffers = dict(module.named_buffers())
-        state = {**dict(module.named_parameters()), **buffers}
+        state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
         arguments = (state, args, kwargs)
         ambient = _ambient(arguments, preserve_rng_state, tuple(module.modules()))
-        # Buffers are always copied for the recompute: BatchNorm updates its statistics unseen.
-        copied = frozenset(id(b) for b in buffers.values())
+        copied = frozenset(id(b) for b in _statistics_updated_unseen(module))
         call = Call(run_module, type(module).__name__, arguments, {}, ambient, copied)
         return _apply(call, call.inputs(arguments, {}))
 
     # The forward's name, docstring and signature (inspect.signature follows __wrapped__).
     return functools.update_wrapper(rematerialized, module.forward, updated=())
+
+
+def _statistics_updated_unseen(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The running statistics a training BatchNorm (or InstanceNorm) updates without a version bump."""
+    found = []
+    for norm in module.modules():
+        if isinstance(norm, _NormBase) and norm.training and norm.track_running_stats:
+            found += [b for b in (norm.running_mean, norm.running_var) if b is not None]
+    return found
 
 
 def _ambient(arguments: Any, rng: bool, modules: tuple[torch.nn.Module, ...]) -> Ambient:
@@ -159,6 +173,15 @@ def _ambient(arguments: Any, rng: bool, modules: tuple[torch.nn.Module, ...]) ->
 
 
 def _apply(call: Call, inputs: list[torch.Tensor]) -> Any:
+    if forward_ad._current_level >= 0 and any(
+        not torch._C._functorch.is_functorch_wrapped_tensor(x) and forward_ad.unpack_dual(x).tangent is not None  # type: ignore[no-untyped-call]
+        for x in inputs
+    ):
+        # Its jvp would nest forward-mode AD inside the caller's dual level, which torch refuses.
+        raise RuntimeError(
+            f"fmp.remat: {call.name} got a dual tensor of torch.autograd.forward_ad, which remat does not "
+            f"support; take forward-mode derivatives with torch.func.jvp"
+        )
     # The call keeps no reference to its inputs: autograd saves them, and frees them with the node.
     outputs = _Recompute.apply(call, *inputs)  # type: ignore[no-untyped-call]
     # The forward that just ran recorded the output structure.

@@ -22,6 +22,7 @@ from conftest import assert_trees_bitwise_equal
 from conftest import assert_trees_close
 from torch import nn
 from torch._dynamo.testing import CompileCounter
+from torch.autograd import forward_ad
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import fmp
@@ -366,10 +367,48 @@ def test_inputs_updated_in_place_and_returned_constants_are_handled() -> None:
     scale = torch.full((8,), 2.0)
     y = fmp.remat(lambda h, s: h * s)(tracked, scale)
     scale.add_(1)
-    with pytest.raises(
-        RuntimeError, match=r"argument args\[1\] was updated in place between the forward and the backward"
-    ):
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):  # autograd's check on saved inputs
         y.sum().backward()
+
+
+def test_integer_arguments_under_an_ensemble_and_views_read_through_properties() -> None:
+    # Integer labels enter a remat'd head in a vmap ensemble; torch.func wraps them too.
+    torch.manual_seed(0)
+    head = nn.Linear(8, 4)
+    params = {k: v.detach() for k, v in head.named_parameters()}
+    members = fmp.stack_trees([params, pytree.tree_map(lambda p: p * 2, params)])
+    x, labels = torch.randn(6, 8), torch.randint(0, 4, (6,))
+
+    def grads(block: Callable[..., torch.Tensor]) -> Any:
+        def loss(p: Any, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return block(torch.func.functional_call(head, p, (x,)), labels)
+
+        def member(p: Any) -> Any:
+            return fmp.mixed_precision_grad(loss, p, fmp.NoOpLossScale(), x, labels, policy=fmp.Policy()).grads
+
+        return torch.func.vmap(member)(members)
+
+    assert_trees_bitwise_equal(grads(fmp.remat(F.cross_entropy)), grads(F.cross_entropy))
+    # A captured parameter read through a view property (.T, .mT) is refused like any other read.
+    w = torch.randn(8, 8)
+    for read in (lambda v: v.T, lambda v: v.mT):
+        with pytest.raises(RuntimeError, match="not one of its arguments"):
+            torch.func.grad(lambda v, read=read: fmp.remat(lambda h: torch.tanh(h @ read(v)))(x).sum())(w)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # forward AD's first use
+def test_forward_ad_dual_tensors_are_refused_and_data_is_freed_after_the_backward() -> None:
+
+    x, w1, w2 = block_weights()
+    with forward_ad.dual_level(), pytest.raises(RuntimeError, match=r"dual tensor of torch\.autograd\.forward_ad"):
+        fmp.remat(block_fn)(forward_ad.make_dual(x, torch.ones_like(x)), w1, w2)
+    # Data nothing differentiates is an input too: autograd frees it with the node.
+    features = x * 2
+    weak = StorageWeakRef(features.untyped_storage())
+    out = fmp.remat(block_fn)(features, w1.requires_grad_(), w2)
+    del features
+    out.sum().backward()
+    assert weak.expired() and out.grad_fn is not None
 
 
 def test_bad_arguments_are_named() -> None:
