@@ -21,8 +21,10 @@ from torch._functorch.eager_transforms import _vjp_with_argnums
 from torch.overrides import TorchFunctionMode
 
 from fmp._replay import Ambient
+from fmp.tree import functorch_base
+from fmp.tree import is_inexact_tensor
 
-__all__ = ["Call", "differentiable"]
+__all__ = ["Call"]
 
 # Calls whose result carries no gradient of their tensor arguments: metadata, and factories that
 # take only a shape and dtype from them.
@@ -37,14 +39,9 @@ _METADATA_PROPERTIES = frozenset(
 )
 
 
-def differentiable(x: Any) -> bool:
-    """Whether `x` is a tensor of a dtype autograd differentiates."""
-    return isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())
-
-
 def _is_differentiated(x: torch.Tensor) -> bool:
     """Whether autograd or a torch.func grad transform tracks `x`, at any of its wrappers' levels."""
-    if not differentiable(x):
+    if not is_inexact_tensor(x):
         return False
     while True:
         if x.requires_grad:
@@ -64,9 +61,7 @@ def _carries_no_gradient(func: Any) -> bool:
 def _version(x: torch.Tensor) -> int:
     # A torch.func wrapper keeps a version counter of its own; in-place updates below it count
     # on the tensor it wraps.
-    while torch._C._functorch.is_functorch_wrapped_tensor(x):
-        x = torch._C._functorch.get_unwrapped(x)
-    return x._version
+    return functorch_base(x)._version
 
 
 def _alive(tensors: tuple[Any, ...] | list[Any]) -> tuple[Any, ...]:
@@ -176,7 +171,7 @@ class Call:
                     f"fmp.remat: {self.name} returned a {type(leaf).__name__} at output{pytree.keystr(path)}; "
                     f"a rematerialized function returns tensors only (compute constants outside it)"
                 )
-        self.differentiable_outputs = [differentiable(leaf) for leaf in out_leaves]
+        self.differentiable_outputs = [is_inexact_tensor(leaf) for leaf in out_leaves]
         # A tensor that existed before the call (an argument, a captured constant) returned as it
         # is would be marked as the Function's output in place; a view of it is a new tensor.
         return tuple(o if id(o) in mode.created else o.view_as(o) for o in out_leaves)
@@ -216,7 +211,7 @@ class Call:
         arguments = self._recompute_arguments(inputs)
         tangents = _alive(tangents)
         # The inputs given tangents are the primals; the others (integers, data) stay fixed.
-        moving = [t is not None and differentiable(x) for x, t in zip(arguments, tangents, strict=True)]
+        moving = [t is not None and is_inexact_tensor(x) for x, t in zip(arguments, tangents, strict=True)]
         primals = tuple(x for x, m in zip(arguments, moving, strict=True) if m)
         tangents = tuple(t for t, m in zip(tangents, moving, strict=True) if m)
 

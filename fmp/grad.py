@@ -25,6 +25,7 @@ from fmp.loss_scale import check_scaler
 from fmp.policy import Policy
 from fmp.tree import all_finite
 from fmp.tree import check_no_opaque_leaves
+from fmp.tree import functorch_base
 
 __all__ = [
     "Gradients",
@@ -140,13 +141,6 @@ def _check_losses(out: Any, scaler: ScalerTree) -> Any:
     return tuple(_check_loss(loss, f"loss_fn's loss[{index}] must be") for index, loss in enumerate(out))
 
 
-def _base_tensor(x: torch.Tensor) -> torch.Tensor:
-    """`x` with every `torch.func` wrapper (vmap's batching, an outer grad's tracking) taken off."""
-    while torch._C._functorch.is_functorch_wrapped_tensor(x):
-        x = torch._C._functorch.get_unwrapped(x)
-    return x
-
-
 def _module_parameters_read(loss: torch.Tensor) -> list[torch.nn.Parameter]:
     """The `nn.Parameter`s that autograd's graph of `loss` accumulates into, in no particular order."""
     found, seen, stack = [], set(), [loss.grad_fn]
@@ -172,7 +166,7 @@ def _check_reads_no_module_parameters(loss: Any) -> None:
     if torch.compiler.is_compiling():
         return
     for leaf in pytree.tree_leaves(loss):
-        base = _base_tensor(leaf)
+        base = functorch_base(leaf)
         read = _module_parameters_read(base) if base.requires_grad else []
         if read:
             shapes = sorted({str(list(p.shape)) for p in read})

@@ -24,8 +24,8 @@ from torch.autograd import forward_ad
 from torch.nn.modules.batchnorm import _NormBase
 
 from fmp._remat_call import Call
-from fmp._remat_call import differentiable
 from fmp._replay import Ambient
+from fmp.tree import is_inexact_tensor
 
 __all__ = ["remat"]
 
@@ -46,7 +46,7 @@ class _Recompute(torch.autograd.Function):
         ctx.call = call
         ctx.save_for_backward(*tensors)
         ctx.save_for_forward(*tensors)
-        ctx.mark_non_differentiable(*(o for o in output if not differentiable(o)))
+        ctx.mark_non_differentiable(*(o for o in output if not is_inexact_tensor(o)))
         ctx.set_materialize_grads(False)
 
     @staticmethod

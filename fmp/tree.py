@@ -21,6 +21,7 @@ __all__ = [
     "check_finite_flag",
     "check_no_opaque_leaves",
     "donate_into",
+    "functorch_base",
     "is_floating_tensor",
     "is_inexact_tensor",
     "same_static_leaf",
@@ -42,6 +43,13 @@ def is_floating_tensor(leaf: Any) -> bool:
 def is_inexact_tensor(leaf: Any) -> bool:
     """Whether `leaf` is a floating-point or complex tensor (the leaves fmp scales and checks)."""
     return isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
+
+
+def functorch_base(x: torch.Tensor) -> torch.Tensor:
+    """`x` with every `torch.func` wrapper (vmap's batching, an outer grad's tracking) taken off."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(x):
+        x = torch._C._functorch.get_unwrapped(x)
+    return x
 
 
 # Containers that pytrees do not open: each is one leaf, so the tensors in it would go unseen.
