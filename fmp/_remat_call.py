@@ -5,9 +5,10 @@ it, checks it is not updated before the backward pass, and frees it with the nod
 transforms unwrap them all, whatever their dtype. Those autograd or a grad transform tracks get
 gradients; other leaves (numbers, None) are constants the call closes over. The forward runs on
 detached aliases of the inputs under a function mode that refuses a differentiated tensor read
-from anywhere else, since that tensor's gradient would be lost. An input the forward updated in
-place that nothing differentiates, and a BatchNorm's running statistics (updated without bumping
-their version counters), enter the recompute as copies, so the caller's tensor is updated once.
+from anywhere else, since that tensor's gradient (or its outer jvp's tangent) would be lost. An
+input the forward updated in place that nothing differentiates, and the running statistics a
+batch or instance norm was given (updated without bumping their version counters), enter the
+recompute as copies, so the caller's tensor is updated once.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch._functorch.eager_transforms import _vjp_with_argnums
 from torch.overrides import TorchFunctionMode
@@ -37,6 +39,42 @@ _METADATA_PROPERTIES = frozenset(
     {"shape", "dtype", "device", "ndim", "layout", "requires_grad", "is_leaf", "names", "itemsize", "nbytes"}
     | {"is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested"}
 )
+
+
+# Norms that update the running statistics they are given in place without bumping their version
+# counters: the position of `running_mean` (`running_var` follows it; both may come by keyword),
+# and the flag (always the sixth argument) that makes them update, with its default.
+_RUNNING_STATISTICS = {
+    F.batch_norm: (1, "training", False),
+    F.instance_norm: (1, "use_input_stats", True),
+    torch.batch_norm: (3, "training", False),
+    torch.instance_norm: (3, "use_input_stats", True),
+    torch.native_batch_norm: (3, "training", False),
+    torch._native_batch_norm_legit: (3, "training", False),
+}
+
+
+def _updated_statistics(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The running statistics a norm call is about to update."""
+    position, flag, default = _RUNNING_STATISTICS.get(func, (0, "", False))
+    if not (args[5] if len(args) > 5 else kwargs.get(flag, default)):
+        return []
+    given = [*args[position : position + 2], kwargs.get("running_mean"), kwargs.get("running_var")]
+    return [x for x in given if isinstance(x, torch.Tensor)]
+
+
+def jvp_levels() -> frozenset[int]:
+    """The levels of the `torch.func.jvp` transforms active now (their tangents ride on wrappers)."""
+    stack = torch._C._functorch.get_interpreter_stack() or []
+    return frozenset(i.level() for i in stack if i.key() == torch._C._functorch.TransformType.Jvp)
+
+
+def _wrapper_levels(x: torch.Tensor) -> list[int]:
+    levels = []
+    while torch._C._functorch.is_functorch_wrapped_tensor(x):
+        levels.append(torch._C._functorch.maybe_get_level(x))
+        x = torch._C._functorch.get_unwrapped(x)
+    return levels
 
 
 def _is_differentiated(x: torch.Tensor) -> bool:
@@ -73,14 +111,24 @@ def _alive(tensors: tuple[Any, ...] | list[Any]) -> tuple[Any, ...]:
 class _NoCapturedGradients(TorchFunctionMode):
     """Refuses a differentiated tensor the function reads without taking it as an argument.
 
-    Also records the tensors the calls return, so outputs made before the call can be told apart.
+    A tensor of an outer `torch.func.jvp` (one of `jvp_levels`) counts as differentiated: its
+    tangent cannot be read from inside the Function, so it is refused whether it has one or not.
+    Also records the tensors the calls return, so outputs made before the call can be told apart,
+    and the running statistics a norm updates, unseen by version counters (captured ones it refuses).
     """
 
-    def __init__(self, name: str, inputs: tuple[torch.Tensor, ...]) -> None:
+    def __init__(self, name: str, inputs: tuple[torch.Tensor, ...], jvp_levels: frozenset[int]) -> None:
         super().__init__()
         self.name = name
         self.input_ids = {id(x) for x in inputs}
+        self.jvp_levels = jvp_levels
         self.created: set[int] = set()
+        self.statistics: set[int] = set()
+
+    def _refused(self, x: torch.Tensor) -> bool:
+        if id(x) in self.input_ids:
+            return False
+        return _is_differentiated(x) or not self.jvp_levels.isdisjoint(_wrapper_levels(x))
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -88,14 +136,23 @@ class _NoCapturedGradients(TorchFunctionMode):
         kwargs = kwargs or {}
         if not _carries_no_gradient(func):
             for leaf in pytree.tree_leaves((args, kwargs)):
-                if isinstance(leaf, torch.Tensor) and id(leaf) not in self.input_ids and _is_differentiated(leaf):
+                if isinstance(leaf, torch.Tensor) and self._refused(leaf):
                     # Not a TypeError: Tensor's operators turn a TypeError into NotImplemented.
                     raise RuntimeError(
                         f"fmp.remat: {self.name} reads a tensor of shape {tuple(leaf.shape)} that is being "
-                        f"differentiated but is not one of its arguments (a captured parameter or activation); "
-                        f"its gradient would be lost. Pass it as an argument, or wrap the nn.Module itself "
-                        f"(fmp.remat(layer)), which passes the module's parameters for you"
+                        f"differentiated but is not one of its arguments (a captured parameter or activation, "
+                        f"or a tensor of an outer torch.func.jvp); its gradient or tangent would be lost. Pass it "
+                        f"as an argument, or wrap the nn.Module itself (fmp.remat(layer)), which passes the "
+                        f"module's parameters for you"
                     )
+        for statistic in _updated_statistics(func, args, kwargs):
+            if id(statistic) not in self.input_ids:
+                raise RuntimeError(
+                    f"fmp.remat: {self.name} updates running statistics of shape {tuple(statistic.shape)} that "
+                    f"are not among its arguments (a norm layer called from a closure), so its recompute would "
+                    f"update them again. Wrap the nn.Module itself (fmp.remat(layer)), or pass them as arguments"
+                )
+            self.statistics.add(id(statistic))
         out = func(*args, **kwargs)
         self.created.update(id(x) for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor))
         return out
@@ -110,20 +167,13 @@ class Call:
         args: Its positional arguments.
         kwargs: Its keyword arguments.
         ambient: The state around the call, which the recompute replays.
-        copied: Ids of tensors among the arguments the recompute always gets a copy of (their
-            updates are not seen by version counters).
     """
 
     def __init__(
-        self,
-        fn: Callable[..., Any],
-        name: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        ambient: Ambient,
-        copied: frozenset[int] = frozenset(),
+        self, fn: Callable[..., Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any], ambient: Ambient
     ) -> None:
         self.fn, self.name, self.ambient = fn, name, ambient
+        self.jvp_levels = jvp_levels()
         with_paths, self.spec = pytree.tree_flatten_with_path((args, kwargs))
         leaves = [leaf for _, leaf in with_paths]
         self.where = [_argument_name(path) for path, _ in with_paths]
@@ -131,7 +181,7 @@ class Call:
         slots = set(self.slots)
         self.constants: list[Any] = [None if i in slots else leaf for i, leaf in enumerate(leaves)]
         self.differentiated = [_is_differentiated(leaves[i]) for i in self.slots]
-        self.copies = [id(leaves[i]) in copied for i in self.slots]  # inputs the recompute gets copies of
+        self.copies = [False for _ in self.slots]  # inputs the recompute gets copies of
         self.out_spec: pytree.TreeSpec | None = None
         self.differentiable_outputs: list[bool] = []
 
@@ -152,11 +202,11 @@ class Call:
         # Fresh objects: the same tensor read from elsewhere (a module's own weight) is told apart.
         aliases = tuple(x.detach() for x in inputs)
         before = [_version(x) for x in aliases]
-        mode = _NoCapturedGradients(self.name, aliases)
+        mode = _NoCapturedGradients(self.name, aliases, self.jvp_levels)
         with torch.no_grad(), mode:
             out = self._run(aliases)
         for n, (x, version) in enumerate(zip(aliases, before, strict=True)):
-            if _version(x) == version:
+            if _version(x) == version and id(x) not in mode.statistics:
                 continue
             if self.differentiated[n]:
                 raise RuntimeError(

@@ -21,10 +21,11 @@ from typing import cast
 import torch
 import torch.utils._pytree as pytree
 from torch.autograd import forward_ad
-from torch.nn.modules.batchnorm import _NormBase
 
 from fmp._remat_call import Call
+from fmp._remat_call import jvp_levels
 from fmp._replay import Ambient
+from fmp.tree import functorch_base
 from fmp.tree import is_inexact_tensor
 
 __all__ = ["remat"]
@@ -84,19 +85,22 @@ def remat(fn: Callable[P, R], *, preserve_rng_state: bool = True) -> Callable[P,
     Under `torch.compile`, the wrapper calls `fn` as it is: Dynamo would inline the forward and
     drop the recompute, and in a compiled fmp step forward and backward are one graph whose
     memory Inductor plans itself. So the memory saving is an eager one. Under `torch.no_grad()`
-    (evaluation) it calls `fn` as it is too, at no cost.
+    (evaluation), and under `torch.func.jvp` with nothing differentiating in reverse mode, it
+    calls `fn` as it is too, at no cost.
 
     `fn` must be a pure function of its arguments. A tensor it differentiates but does not take
     as an argument (a captured parameter, or a module's weight read beside the one passed in)
     would get no gradient, so reading one raises; wrap an `nn.Module` itself and its current
     parameters and buffers are passed in for you (including the ones
-    `torch.func.functional_call` swapped in). Under `torch.func.jvp` only arguments carry
-    tangents: a captured tensor's tangent is not detected, so pass it in. Updating a
-    differentiated argument in place raises. Any other argument the forward updates in place is
-    updated once, by the forward: the recompute updates a copy (a wrapped BatchNorm's running
-    statistics move once per step, where `torch.utils.checkpoint` moves them twice). BatchNorm
-    updates them without bumping their version counters, so only a wrapped module's norm layers
-    are known to: a function calling BatchNorm on buffers it is passed updates them twice.
+    `torch.func.functional_call` swapped in). Where `torch.func.jvp` and reverse mode meet
+    (`jvp(grad(f))`, a Hessian-vector product), only arguments carry tangents into the block, so
+    reading any captured tensor of the jvp raises too. Updating a differentiated argument in
+    place raises. Any other argument the forward updates in place is updated once, by the
+    forward: the recompute updates a copy. So running statistics move once per step, where
+    `torch.utils.checkpoint` moves them twice, whether the block is a wrapped module with
+    BatchNorm layers or a function passing buffers to `F.batch_norm` (its updates, unseen by
+    version counters, are caught at the call); a function updating captured running statistics
+    raises.
 
     Args:
         fn: The function or `nn.Module` to wrap. Its arguments are pytrees; their floating-point
@@ -113,8 +117,9 @@ def remat(fn: Callable[P, R], *, preserve_rng_state: bool = True) -> Callable[P,
         TypeError: If `fn` is not callable or `preserve_rng_state` is not a bool; from the returned
             function, if `fn` returns a leaf that is not a tensor.
         RuntimeError: From the returned function, if `fn` reads a differentiated tensor that is
-            not one of its arguments or updates one in place, or if a tensor argument is updated
-            in place between the forward and the backward pass.
+            not one of its arguments or updates one in place, updates captured running
+            statistics, or if a tensor argument is updated in place between the forward and the
+            backward pass.
     """
     if not callable(fn):
         raise TypeError(f"fmp.remat wraps a function or an nn.Module, got {type(fn).__name__}")
@@ -125,7 +130,7 @@ def remat(fn: Callable[P, R], *, preserve_rng_state: bool = True) -> Callable[P,
 
     @functools.wraps(fn)
     def rematerialized(*args: P.args, **kwargs: P.kwargs) -> R:
-        if _runs_plain():
+        if _runs_plain() or _forward_mode_only((args, kwargs)):
             return fn(*args, **kwargs)
         call = Call(fn, _name(fn), args, kwargs, _ambient((args, kwargs), preserve_rng_state, ()))
         return _apply(call, call.inputs(args, kwargs))  # type: ignore[no-any-return]
@@ -139,6 +144,18 @@ def _runs_plain() -> bool:
     return torch.compiler.is_compiling() or not torch.is_grad_enabled()
 
 
+def _forward_mode_only(arguments: Any) -> bool:
+    # Under torch.func.jvp with no reverse-mode differentiation, nothing is saved for a backward
+    # pass; the plain call also carries the tangents of tensors `fn` captures.
+    if not jvp_levels():
+        return False
+    stack = torch._C._functorch.get_interpreter_stack() or []
+    if any(i.key() == torch._C._functorch.TransformType.Grad for i in stack):
+        return False
+    tensors = [x for x in pytree.tree_leaves(arguments) if isinstance(x, torch.Tensor)]
+    return not any(functorch_base(x).requires_grad for x in tensors)
+
+
 def _remat_module(module: torch.nn.Module, preserve_rng_state: bool) -> Callable[..., Any]:
     def run_module(state: dict[str, torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return torch.func.functional_call(module, state, args, kwargs)
@@ -149,22 +166,14 @@ def _remat_module(module: torch.nn.Module, preserve_rng_state: bool) -> Callable
         # Read per call: under functional_call these are the tensors it swapped in.
         state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
         arguments = (state, args, kwargs)
+        if _forward_mode_only(arguments):
+            return module(*args, **kwargs)
         ambient = _ambient(arguments, preserve_rng_state, tuple(module.modules()))
-        copied = frozenset(id(b) for b in _statistics_updated_unseen(module))
-        call = Call(run_module, type(module).__name__, arguments, {}, ambient, copied)
+        call = Call(run_module, type(module).__name__, arguments, {}, ambient)
         return _apply(call, call.inputs(arguments, {}))
 
     # The forward's name, docstring and signature (inspect.signature follows __wrapped__).
     return functools.update_wrapper(rematerialized, module.forward, updated=())
-
-
-def _statistics_updated_unseen(module: torch.nn.Module) -> list[torch.Tensor]:
-    """The running statistics a training BatchNorm (or InstanceNorm) updates without a version bump."""
-    found = []
-    for norm in module.modules():
-        if isinstance(norm, _NormBase) and norm.training and norm.track_running_stats:
-            found += [b for b in (norm.running_mean, norm.running_var) if b is not None]
-    return found
 
 
 def _ambient(arguments: Any, rng: bool, modules: tuple[torch.nn.Module, ...]) -> Ambient:

@@ -185,6 +185,21 @@ def test_forward_mode_second_order_and_nested_remat_match() -> None:
     ours = torch.func.jvp(lambda w: wrapped(x, w, w2), (w1,), (tangent,))
     reference = torch.func.jvp(lambda w: block_fn(x, w, w2), (w1,), (tangent,))
     assert_trees_bitwise_equal(ours, reference)
+    # Forward mode alone saves nothing for a backward pass: the block runs as it is, so a
+    # captured tensor's tangent flows too.
+    captured = torch.func.jvp(lambda w: fmp.remat(lambda h: block_fn(h, w, w2))(x), (w1,), (tangent,))
+    assert_trees_bitwise_equal(captured, reference)
+
+    # A Hessian-vector product: forward over reverse runs the Function's jvp rule and its backward.
+    def hvp(block: Callable[..., torch.Tensor]) -> Any:
+        gradient = torch.func.grad(lambda w: block(x, w, w2).square().sum())
+        return torch.func.jvp(gradient, (w1,), (tangent,))
+
+    assert_trees_bitwise_equal(hvp(wrapped), hvp(block_fn))
+    # There a tensor of the jvp read without being passed in would lose its tangent.
+    with pytest.raises(RuntimeError, match=r"not one of its arguments .*outer torch\.func\.jvp"):
+        gradient = torch.func.grad(lambda w, v: fmp.remat(lambda h, w: h @ w @ v)(x, w).sum())
+        torch.func.jvp(lambda v: gradient(w1, v), (w2,), (w2,))
 
     def grad_norm(block: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
         return lambda w: torch.func.grad(lambda w: block(x, w, w2).sum())(w).square().sum()
@@ -294,6 +309,28 @@ def test_batchnorm_inside_updates_its_statistics_once_and_matches_the_unwrapped_
         assert_trees_bitwise_equal(ours, reference)
         assert int(ours[1]["norm.num_batches_tracked"]) == int(train)
         assert train == (not torch.equal(ours[1]["norm.running_mean"], torch.zeros(8)))
+
+
+def test_running_statistics_passed_to_batch_norm_move_once_and_captured_ones_are_refused() -> None:
+    x, w1, _ = block_weights()
+
+    def normed(h: torch.Tensor, w: torch.Tensor, stats: list[torch.Tensor]) -> torch.Tensor:
+        h = F.batch_norm(h @ w, stats[0], running_var=stats[1], training=True)
+        return torch.instance_norm(h.T[None], None, None, stats[2], stats[3], True, 0.1, 1e-5, False)[0].T.tanh()
+
+    def run(block: Callable[..., torch.Tensor]) -> tuple[Any, ...]:
+        stats = [torch.zeros(16), torch.ones(16), torch.zeros(16), torch.ones(16)]
+        return torch.func.grad(lambda w: block(x, w, stats=stats).sum())(w1), stats
+
+    ours, reference = run(fmp.remat(normed)), run(normed)
+    assert_trees_bitwise_equal(ours, reference)
+    assert not any(torch.equal(s, s.new_full((16,), float(n % 2))) for n, s in enumerate(reference[1]))
+    # In evaluation (training=False) the statistics are read, not updated: captured ones pass.
+    mean, var = torch.zeros(8), torch.ones(8)
+    fmp.remat(lambda h: F.batch_norm(h, mean, var))(x.clone().requires_grad_()).sum().backward()
+    with pytest.raises(RuntimeError, match=r"updates running statistics of shape \(8,\) .*Wrap the nn\.Module"):
+        fmp.remat(lambda h: F.batch_norm(h, mean, var, training=True))(x.clone().requires_grad_())
+    assert torch.equal(mean, torch.zeros(8))
 
 
 def test_a_tensor_passed_and_also_read_from_a_module_is_refused_and_views_of_arguments_pass() -> None:
