@@ -7,6 +7,9 @@ from fmp.autocast import autocast
 from fmp.autocast_regions import fixed_dtype
 from fmp.autocast_regions import no_autocast
 from fmp.checkpoint import checkpoint_classes
+from fmp.debug import NonFiniteOrigin
+from fmp.debug import NonFiniteReport
+from fmp.debug import locate_nonfinite
 from fmp.fused import fused_unscale_and_adjust
 from fmp.fused import fused_unscale_clip_and_adjust
 from fmp.fused import unscale_and_adjust
@@ -49,6 +52,8 @@ __all__ = [
     "LossScale",
     "LossScaleStalledError",
     "NoOpLossScale",
+    "NonFiniteOrigin",
+    "NonFiniteReport",
     "Policy",
     "StaticLossScale",
     "StepCounts",
@@ -63,6 +68,7 @@ __all__ = [
     "fused_unscale_clip_and_adjust",
     "get_policy",
     "half_dtype",
+    "locate_nonfinite",
     "mixed_precision_grad",
     "mixed_precision_step",
     "module_policies",

@@ -295,5 +295,7 @@ def raise_if_stalled(state: TrainState, patience: int) -> None:
     raise LossScaleStalledError(
         f"the last {worst} optimizer steps{where} were all skipped: their gradients overflowed with the loss scale "
         f"at its minimum ({scales}), so backing off cannot help. Look for inf or NaN in the inputs, the labels or "
-        f"the model (a log of 0, a division by 0, an exploding activation), or {remedy}"
+        f"the model (a log of 0, a division by 0, an exploding activation), or {remedy}. "
+        f"fmp.locate_nonfinite(loss_fn, state.params, *batch, policy=policy, scaler=state.scaler) names the first "
+        f"op and module to make inf or NaN"
     )
