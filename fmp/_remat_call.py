@@ -56,7 +56,9 @@ _RUNNING_STATISTICS = {
 
 def _updated_statistics(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The running statistics a norm call is about to update."""
-    position, flag, default = _RUNNING_STATISTICS.get(func, (0, "", False))
+    if func not in _RUNNING_STATISTICS:
+        return []
+    position, flag, default = _RUNNING_STATISTICS[func]
     if not (args[5] if len(args) > 5 else kwargs.get(flag, default)):
         return []
     given = [*args[position : position + 2], kwargs.get("running_mean"), kwargs.get("running_var")]

@@ -331,6 +331,8 @@ def test_running_statistics_passed_to_batch_norm_move_once_and_captured_ones_are
     with pytest.raises(RuntimeError, match=r"updates running statistics of shape \(8,\) .*Wrap the nn\.Module"):
         fmp.remat(lambda h: F.batch_norm(h, mean, var, training=True))(x.clone().requires_grad_())
     assert torch.equal(mean, torch.zeros(8))
+    # Only norms are looked at: a call with six or more arguments is none of them.
+    fmp.remat(lambda h: h.view(1, 1, 1, 1, 4, 8).tanh())(x.clone().requires_grad_()).sum().backward()
 
 
 def test_a_tensor_passed_and_also_read_from_a_module_is_refused_and_views_of_arguments_pass() -> None:
