@@ -11,8 +11,11 @@ forward twice. `fmp._remat_call` runs one call; `fmp._replay` keeps what its rec
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any
 from typing import ParamSpec
 from typing import TypeVar
@@ -23,12 +26,12 @@ import torch.utils._pytree as pytree
 from torch.autograd import forward_ad
 
 from fmp._remat_call import Call
-from fmp._remat_call import jvp_levels
+from fmp._remat_watch import jvp_levels
 from fmp._replay import Ambient
 from fmp.tree import functorch_base
 from fmp.tree import is_inexact_tensor
 
-__all__ = ["remat"]
+__all__ = ["calling_plainly", "remat"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -95,12 +98,13 @@ def remat(fn: Callable[P, R], *, preserve_rng_state: bool = True) -> Callable[P,
     `torch.func.functional_call` swapped in). Where `torch.func.jvp` and reverse mode meet
     (`jvp(grad(f))`, a Hessian-vector product), only arguments carry tangents into the block, so
     reading any captured tensor of the jvp raises too. Updating a differentiated argument in
-    place raises. Any other argument the forward updates in place is updated once, by the
-    forward: the recompute updates a copy. So running statistics move once per step, where
-    `torch.utils.checkpoint` moves them twice, whether the block is a wrapped module with
-    BatchNorm layers or a function passing buffers to `F.batch_norm` (its updates, unseen by
-    version counters, are caught at the call); a function updating captured running statistics
-    raises.
+    place raises, and so does updating a captured tensor (the recompute would update it again).
+    Any other argument the forward updates in place is updated once, by the forward: its value
+    from before the first update is kept, and the recompute updates a copy of that. So running
+    statistics move once per step, where `torch.utils.checkpoint` moves them twice, whether the
+    block is a wrapped module with BatchNorm layers or a function passing buffers (or views of
+    one) to `F.batch_norm` (whose updates, unseen by version counters, are caught at the call),
+    and a block that reads statistics it also updates recomputes from the values it first read.
 
     Args:
         fn: The function or `nn.Module` to wrap. Its arguments are pytrees; their floating-point
@@ -117,9 +121,9 @@ def remat(fn: Callable[P, R], *, preserve_rng_state: bool = True) -> Callable[P,
         TypeError: If `fn` is not callable or `preserve_rng_state` is not a bool; from the returned
             function, if `fn` returns a leaf that is not a tensor.
         RuntimeError: From the returned function, if `fn` reads a differentiated tensor that is
-            not one of its arguments or updates one in place, updates captured running
-            statistics, or if a tensor argument is updated in place between the forward and the
-            backward pass.
+            not one of its arguments, updates one in place, or updates a captured tensor (running
+            statistics included), or if a tensor argument is updated in place between the forward
+            and the backward pass.
     """
     if not callable(fn):
         raise TypeError(f"fmp.remat wraps a function or an nn.Module, got {type(fn).__name__}")
@@ -138,10 +142,27 @@ def remat(fn: Callable[P, R], *, preserve_rng_state: bool = True) -> Callable[P,
     return rematerialized
 
 
+_plain = threading.local()
+
+
+@contextlib.contextmanager
+def calling_plainly() -> Iterator[None]:
+    """Rematerialized blocks call their function as it is inside this context (on this thread).
+
+    For `fmp.locate_nonfinite`, which watches every op of the forward and backward passes.
+    """
+    previous = getattr(_plain, "on", False)
+    _plain.on = True
+    try:
+        yield
+    finally:
+        _plain.on = previous
+
+
 def _runs_plain() -> bool:
     # Compiled, Dynamo would inline the forward and drop the recompute. Under no_grad nothing is
     # saved for a backward pass (forward-mode tangents still flow through the plain call).
-    return torch.compiler.is_compiling() or not torch.is_grad_enabled()
+    return torch.compiler.is_compiling() or not torch.is_grad_enabled() or getattr(_plain, "on", False)
 
 
 def _forward_mode_only(arguments: Any) -> bool:

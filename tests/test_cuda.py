@@ -232,3 +232,48 @@ def test_fused_unscale_and_clip_matches_eager(dtype: torch.dtype) -> None:
     assert_trees_close(fused[2], eager[2], **TOLERANCES[dtype])
     assert bool(fused[1]) and bool(eager[1])
     assert_trees_bitwise_equal(fused[3], eager[3])
+
+
+def test_remat_steps_equal_the_unwrapped_model_with_dropout_and_never_sync() -> None:
+    # The recompute replays the CUDA generator's state (read on the host, from the generator's
+    # own counters: no device sync), so dropout draws the same mask as the first run.
+    from test_remat import mse_of
+    from test_remat import residual_pair
+
+    plain, wrapped, params = residual_pair()
+    params = pytree.tree_map(lambda t: t.to(CUDA), params)
+    plain.to(CUDA)
+    wrapped.to(CUDA)
+    optimizer = fmp.optim.adamw(1e-2)
+
+    def run(model: torch.nn.Module) -> tuple[fmp.TrainState, torch.Tensor]:
+        step = functools.partial(fmp.train_step, mse_of(model), policy=FP16, optimizer=optimizer)
+        state = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create())
+        torch.manual_seed(1)
+        batches = [(torch.randn(6, 8, device=CUDA), torch.randn(6, 8, device=CUDA)) for _ in range(4)]
+        state, _ = step(state, *batches[0])  # cuBLAS initialises on first use, which may sync
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for x, y in batches[1:]:
+                state, _ = step(state, x, y)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return state, torch.rand(4, device=CUDA)  # the generator advanced by the forward passes only
+
+    assert_trees_bitwise_equal(run(wrapped), run(plain))
+
+
+def test_locate_nonfinite_names_a_float16_overflow_on_the_gpu() -> None:
+    from test_debug import loss_of
+    from test_debug import mlp
+
+    model, params, x, y = mlp(hidden_scale=1e5)
+    model.to(CUDA)
+    params, x, y = pytree.tree_map(lambda t: t.to(CUDA), (params, x, y))
+    report = fmp.locate_nonfinite(loss_of(model), params, x, y, policy=FP16)
+    assert report.forward is not None and (report.forward.op, report.forward.module) == ("linear", "2.0")
+    scaler = fmp.StaticLossScale.create(2.0**30, device=CUDA)
+    report = fmp.locate_nonfinite(loss_of(model), params, x, y, policy=FP16, scaler=scaler)
+    grads = fmp.mixed_precision_grad(loss_of(model), params, scaler, x, y, policy=FP16)
+    assert report.finite == bool(grads.grads_finite) and report.backward is not None

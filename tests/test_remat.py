@@ -196,7 +196,14 @@ def test_forward_mode_second_order_and_nested_remat_match() -> None:
         return torch.func.jvp(gradient, (w1,), (tangent,))
 
     assert_trees_bitwise_equal(hvp(wrapped), hvp(block_fn))
+
     # There a tensor of the jvp read without being passed in would lose its tangent.
+    # An integer tensor carries no tangent, so a captured one passes.
+    def indexed(w: torch.Tensor) -> torch.Tensor:
+        index = w.argmax(0)
+        return fmp.remat(lambda h, w: (h @ w)[:, index])(x, w).sum()
+
+    torch.func.jvp(torch.func.grad(indexed), (w1,), (tangent,))
     with pytest.raises(RuntimeError, match=r"not one of its arguments .*outer torch\.func\.jvp"):
         gradient = torch.func.grad(lambda w, v: fmp.remat(lambda h, w: h @ w @ v)(x, w).sum())
         torch.func.jvp(lambda v: gradient(w1, v), (w2,), (w2,))
@@ -328,11 +335,36 @@ def test_running_statistics_passed_to_batch_norm_move_once_and_captured_ones_are
     # In evaluation (training=False) the statistics are read, not updated: captured ones pass.
     mean, var = torch.zeros(8), torch.ones(8)
     fmp.remat(lambda h: F.batch_norm(h, mean, var))(x.clone().requires_grad_()).sum().backward()
-    with pytest.raises(RuntimeError, match=r"updates running statistics of shape \(8,\) .*Wrap the nn\.Module"):
+    with pytest.raises(RuntimeError, match=r"updates a tensor of shape \(8,\) in place .*Wrap the nn\.Module"):
         fmp.remat(lambda h: F.batch_norm(h, mean, var, training=True))(x.clone().requires_grad_())
+    assert torch.equal(mean, torch.zeros(8))
+    with pytest.raises(RuntimeError, match=r"updates a tensor of shape \(8,\) in place"):
+        fmp.remat(lambda h: h + mean.add_(1))(x.clone().requires_grad_())
     assert torch.equal(mean, torch.zeros(8))
     # Only norms are looked at: a call with six or more arguments is none of them.
     fmp.remat(lambda h: h.view(1, 1, 1, 1, 4, 8).tanh())(x.clone().requires_grad_()).sum().backward()
+
+
+def test_a_block_reading_what_it_updates_in_place_recomputes_from_the_values_it_first_read() -> None:
+    # Batch renormalisation reads the running variance it updates; a counter is read, then bumped;
+    # statistics come as views of one argument (torch.ops too), and temporary ones are made inside.
+    x, w1, _ = block_weights()
+
+    def renorm(h: torch.Tensor, w: torch.Tensor, stats: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        z = h @ w
+        r = ((z.var(0, unbiased=False) + 1e-5) / (stats[1] + 1e-5)).sqrt()
+        z = F.batch_norm(z, stats[0], stats[1], training=True) * r + count
+        count += 1
+        z = torch.ops.aten.native_batch_norm(z, None, None, stats[2], stats[3], True, 0.1, 1e-5)[0]
+        return F.batch_norm(z, torch.zeros(16), torch.ones(16), training=True).tanh()
+
+    def run(block: Callable[..., torch.Tensor]) -> tuple[Any, ...]:
+        stats, count = torch.stack([torch.zeros(16), torch.ones(16)] * 2), torch.ones(())
+        return torch.func.grad(lambda w, *state: block(x, w, *state).sum())(w1, stats, count), stats, count
+
+    ours, reference = run(fmp.remat(renorm)), run(renorm)
+    assert_trees_bitwise_equal(ours, reference)
+    assert float(reference[2]) == 2.0 and not torch.equal(reference[1][3], torch.ones(16))
 
 
 def test_a_tensor_passed_and_also_read_from_a_module_is_refused_and_views_of_arguments_pass() -> None:
@@ -395,7 +427,7 @@ def test_inputs_updated_in_place_and_returned_constants_are_handled() -> None:
         h.mul_(2)
         return h @ w
 
-    with pytest.raises(RuntimeError, match=r"updated its argument args\[0\] in place"):
+    with pytest.raises(RuntimeError, match=r"updates its argument args\[0\] in place"):
         torch.func.grad(lambda h: fmp.remat(doubles_its_input)(h, w1).sum())(tracked.detach() + 0)
     # A constant returned as it is stays the caller's tensor, untouched by autograd.
     constant = torch.ones(3)
