@@ -6,6 +6,7 @@ first op whose output is inf or NaN while its inputs are finite: in the forward 
 as `linear` or a cast to float16, in the backward pass the gradient function of such a call. Each
 is placed in the `nn.Module` that ran it. It is a debugging tool: it reads every op's output on
 the host, so it syncs once per op, and it does not run under `torch.compile` or `torch.func`.
+`fmp._nonfinite_watch` holds the watchers.
 """
 
 from __future__ import annotations
@@ -13,23 +14,26 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
-from typing import NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
-from torch import nn
-from torch.overrides import TorchFunctionMode
 
-from fmp.grad import check_param_leaves
+from fmp._checks import check_bool
+from fmp._nonfinite_watch import BackwardWatch
+from fmp._nonfinite_watch import ForwardWatch
+from fmp._nonfinite_watch import Found
+from fmp._nonfinite_watch import ModuleStack
+from fmp._nonfinite_watch import floating
+from fmp._nonfinite_watch import kinds
+from fmp.grad import check_params
+from fmp.grad import check_reads_no_module_parameters
 from fmp.grad import with_policy
 from fmp.loss_scale import LossScale
 from fmp.loss_scale import NoOpLossScale
 from fmp.loss_scale import check_scaler
 from fmp.policy import Policy
-from fmp.tree import is_inexact_tensor
+from fmp.remat import calling_plainly
 
 __all__ = ["NonFiniteOrigin", "NonFiniteReport", "locate_nonfinite"]
 
@@ -42,30 +46,45 @@ class NonFiniteOrigin:
         op: The call's name (`linear`, `to`, `exp`); in the backward pass, the forward call whose
             gradient function it was (or, for a node inside a composite call, that call's).
         node: The autograd node's name in the backward pass (`AddmmBackward0`), "" in the forward.
-        module: The qualified name of the innermost `nn.Module` running, "" outside any module.
+        module: The qualified name of the innermost `nn.Module` running, in the largest module
+            that ran (`blocks.3.fc2`); "" for that module itself, or outside any module.
+        module_type: That module's class name; "" outside any module.
+        made: What its outputs hold: "inf", "NaN" or "inf and NaN".
+        inputs_held: What its inputs held already: "" (all finite), or "inf" where it made NaN
+            (inf - inf, a softmax over a row masked whole with -inf).
         input_dtypes: The dtypes of the floating inputs (in the backward: the incoming gradients).
         output_dtypes: The dtypes of the floating outputs (in the backward: the gradients made).
-        largest_input: The largest magnitude among those inputs, all finite.
+        largest_input: The largest finite magnitude among those inputs.
     """
 
     op: str
     node: str
     module: str
+    module_type: str
+    made: str
+    inputs_held: str
     input_dtypes: tuple[torch.dtype, ...]
     output_dtypes: tuple[torch.dtype, ...]
     largest_input: float
 
     def __str__(self) -> str:
-        where = f" in module `{self.module}`" if self.module else " outside any module"
+        if not self.module_type:
+            where = " outside any module"
+        elif self.module:
+            where = f" in module `{self.module}` ({self.module_type})"
+        else:
+            where = f" in the outermost module ({self.module_type})"
         node = f" ({self.node})" if self.node else ""
         dtypes = ", ".join(sorted({str(d).removeprefix("torch.") for d in self.output_dtypes}))
-        inputs = ", ".join(sorted({str(d).removeprefix("torch.") for d in self.input_dtypes})) or "no"
+        inputs = ", ".join(sorted({str(d).removeprefix("torch.") for d in self.input_dtypes}))
         limits = sorted({torch.finfo(d).max for d in self.output_dtypes if d.is_floating_point})
-        bound = f" (which holds at most {limits[0]:.4g})" if limits else ""
-        return (
-            f"`{self.op}`{node}{where}: {dtypes} output{bound} from finite {inputs} inputs "
-            f"of magnitude at most {self.largest_input:.4g}"
-        )
+        bound = f" (it holds at most {limits[0]:.4g})" if "inf" in self.made and limits else ""
+        largest = f"{self.largest_input:.4g}"
+        if self.inputs_held:
+            held = f"{inputs} inputs holding {self.inputs_held} (finite values of magnitude at most {largest})"
+        else:
+            held = f"finite {inputs} inputs of magnitude at most {largest}"
+        return f"`{self.op}`{node}{where}: {self.made} in its {dtypes} output{bound}, from {held}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +124,7 @@ class NonFiniteReport:
                 "  forward: no op made inf or NaN from finite inputs (they came in with an input or a captured tensor)"
             )
         else:
-            lines.append("  forward: finite")
+            lines.append("  forward: no overflow, no NaN")
         if self.backward:
             lines.append(f"  backward: first inf/NaN from {self.backward}")
         if self.finite:
@@ -133,122 +152,18 @@ class NonFiniteReport:
         return []
 
 
-def _floating(tree: Any) -> list[torch.Tensor]:
-    return [x for x in pytree.tree_leaves(tree) if is_inexact_tensor(x) and x.numel() > 0]
-
-
-def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    # Debugging only: a host read per call.
-    return all(bool(torch.isfinite(x).all()) for x in tensors)
-
-
-def _largest_magnitude(tensors: list[torch.Tensor]) -> float:
-    return max((float(x.detach().abs().max()) for x in tensors), default=0.0)
-
-
-def _op_name(func: Any) -> str:
-    name = getattr(func, "__name__", None) or type(func).__name__
-    owner = getattr(getattr(func, "__self__", None), "__name__", None)
-    return f"{owner}.{name}" if name == "__get__" and owner else name
-
-
-class _ModuleStack:
-    """The qualified name of the innermost module running, from global forward hooks."""
-
-    def __init__(self) -> None:
-        self.running: list[nn.Module] = []
-        self.names: dict[int, str] = {}
-
-    def enter(self, module: nn.Module, *_: Any) -> None:
-        if not self.running and id(module) not in self.names:
-            self.names.update({id(m): name for name, m in module.named_modules()})
-        self.running.append(module)
-
-    def leave(self, module: nn.Module, *_: Any) -> None:
-        if self.running and self.running[-1] is module:
-            self.running.pop()
-
-    def current(self) -> str:
-        return self.names.get(id(self.running[-1]), type(self.running[-1]).__name__) if self.running else ""
-
-    @contextmanager
-    def hooked(self) -> Iterator[None]:
-        pre = nn.modules.module.register_module_forward_pre_hook(self.enter)
-        post = nn.modules.module.register_module_forward_hook(self.leave, always_call=True)
-        try:
-            yield
-        finally:
-            pre.remove()
-            post.remove()
-
-
-class _Label(NamedTuple):
-    op: str
-    module: str
-    forward_finite: bool  # whether the call's floating inputs and outputs were all finite
-
-
-class _ForwardWatch(TorchFunctionMode):
-    """Checks every call's floating inputs and outputs, and labels each output's gradient function."""
-
-    def __init__(self, modules: _ModuleStack) -> None:
-        super().__init__()
-        self.modules = modules
-        self.origin: NonFiniteOrigin | None = None
-        self.labels: dict[Any, _Label] = {}
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        outputs = _floating(out)
-        if not outputs:
-            return out
-        inputs = _floating((args, kwargs))
-        inputs_finite, outputs_finite = _all_finite(inputs), _all_finite(outputs)
-        label = _Label(_op_name(func), self.modules.current(), inputs_finite and outputs_finite)
-        for x in outputs:
-            if x.grad_fn is not None:
-                self.labels.setdefault(x.grad_fn, label)
-        if self.origin is None and inputs_finite and not outputs_finite:
-            dtypes = tuple(x.dtype for x in inputs), tuple(x.dtype for x in outputs)
-            self.origin = NonFiniteOrigin(label.op, "", label.module, *dtypes, _largest_magnitude(inputs))
-        return out
-
-
-def _watch_backward(root: Any, labels: dict[Any, _Label]) -> tuple[list[NonFiniteOrigin], list[Any]]:
-    """Hooks every gradient function under `root`; the list fills with origins in execution order.
-
-    A gradient function counts only where its forward call's values were finite: one that meets
-    the forward's inf or NaN passes it on rather than making it.
-    """
-    found: list[NonFiniteOrigin] = []
-    handles = []
-    seen: set[Any] = set()
-    stack = [(root, labels.get(root, _Label("", "", True)))]
-    while stack:
-        node, inherited = stack.pop()
-        if node is None or node in seen or hasattr(node, "variable"):  # AccumulateGrad: a leaf
-            continue
-        seen.add(node)
-        label = labels.get(node, inherited)  # a node inside a composite call takes the call's label
-
-        def hook(grad_inputs: Any, grad_outputs: Any, node: Any = node, label: _Label = label) -> None:
-            incoming, made = _floating(grad_outputs), _floating(grad_inputs)
-            if found or not label.forward_finite or not made or _all_finite(made) or not _all_finite(incoming):
-                return
-            dtypes = tuple(x.dtype for x in incoming), tuple(x.dtype for x in made)
-            found.append(NonFiniteOrigin(label.op, node.name(), label.module, *dtypes, _largest_magnitude(incoming)))
-
-        handles.append(node.register_hook(hook))
-        stack.extend((next_node, label) for next_node, _ in node.next_functions)
-    return found, handles
+def _origin(found: Found | None, modules: ModuleStack) -> NonFiniteOrigin | None:
+    if found is None:
+        return None
+    module = "" if found.module is None else modules.name_of(found.module)
+    module_type = "" if found.module is None else type(found.module).__name__
+    op, node, _, made, held, inputs, outputs, largest = found
+    return NonFiniteOrigin(op, node, module, module_type, made, held, inputs, outputs, largest)
 
 
 def _nonfinite_paths(tree: Any, name: str) -> tuple[str, ...]:
     pairs = pytree.tree_flatten_with_path(tree)[0]
-    return tuple(f"{name}{pytree.keystr(p)}" for p, x in pairs if _floating([x]) and not _all_finite([x]))
+    return tuple(f"{name}{pytree.keystr(p)}" for p, x in pairs if kinds(floating([x])))
 
 
 def locate_nonfinite(
@@ -264,8 +179,15 @@ def locate_nonfinite(
     Call it with the params, batch and scaler of a step that skipped (`info.applied` False), to
     learn whether the data held inf or NaN, which forward op overflowed (a float16 matmul past
     65504, a cast, a log of 0) or, when the forward was finite, which gradient function of the
-    scaled backward pass did, with the module that ran it. Nothing is updated: params and
-    scaler are read only. Module names come from global forward hooks, registered for the call.
+    scaled backward pass did, with the module that ran it. `fmp.remat` blocks run as they are,
+    so their ops are watched too. Module names come from global forward hooks, registered for
+    the call and acting on this thread only.
+
+    Nothing the caller holds is updated: params and scaler are read, tensors in `args` are
+    copied first (running statistics passed there do not move; buffers a module reads by itself
+    do), and random ops draw from torch's generators, whose states (CPU, and the CUDA devices of
+    the params and args) are restored after. To draw a step's dropout mask, seed them as they
+    were before that step.
 
     Note: syncs with the host after every op (it reads each output); eager only.
 
@@ -282,13 +204,20 @@ def locate_nonfinite(
 
     Raises:
         RuntimeError: Under `torch.compile` or a `torch.func` transform.
-        TypeError: If `policy` or `scaler` is of the wrong type, a leaf of `params` is not a tensor
-            autograd does not track, or `loss_fn` does not return a 0-dim floating loss.
+        TypeError, ValueError: As the step raises them: if `policy` or `scaler` is of the wrong
+            type (or a tuple, or an ensemble's), a leaf of `params` is not a floating tensor in
+            the param dtype that autograd does not track, `loss_fn` does not return a 0-dim
+            floating loss (and aux), or the loss reads a module's own parameters.
     """
     if torch.compiler.is_compiling() or torch._C._functorch.get_interpreter_stack():
         raise RuntimeError("fmp.locate_nonfinite is a debugging tool that reads every op's output: call it eagerly")
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be an fmp.Policy (e.g. fmp.get_policy('c=bf16')), got {type(policy).__name__}")
+    if isinstance(scaler, tuple):
+        raise TypeError(
+            "locate_nonfinite takes one scaler: for several losses, locate each one's overflow with "
+            "lambda params, *args: loss_fn(params, *args)[i] and scaler=state.scaler[i]"
+        )
     scaler = NoOpLossScale() if scaler is None else scaler
     check_scaler(scaler)
     if scaler.loss_scale.dim():
@@ -296,35 +225,47 @@ def locate_nonfinite(
             f"scaler holds {scaler.loss_scale.numel()} scales (a vmapped ensemble's): locate one member's "
             f"overflow at a time, with its params, batch and scaler taken out by fmp.unstack_tree"
         )
-    check_param_leaves(params)
-    tracked = pytree.tree_map(lambda x: x.detach().requires_grad_(is_inexact_tensor(x)), params)
-    modules = _ModuleStack()
-    watch = _ForwardWatch(modules)
-    with modules.hooked(), watch, torch.enable_grad():
-        out = with_policy(loss_fn, policy)(tracked, *args)
-        loss = out[0] if has_aux and isinstance(out, tuple) else out
-        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
-            raise TypeError(f"loss_fn must return a 0-dim floating loss{' and aux' if has_aux else ''}, got {out!r}")
+    check_bool("has_aux", has_aux)
+    check_params(params, policy)
+    tracked = pytree.tree_map(lambda x: x.detach().requires_grad_(), params)
+    # Copies, so running statistics passed in do not move; the generators are restored after.
+    copied = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, args)
+    tensors = [x for x in pytree.tree_leaves((params, args)) if isinstance(x, torch.Tensor)]
+    cuda = sorted({x.device.index or 0 for x in tensors if x.device.type == "cuda"})
+    modules = ModuleStack()
+    forward = ForwardWatch(modules)
+    with torch.random.fork_rng(devices=cuda), calling_plainly(), torch.enable_grad():
+        with modules.hooked(), forward:
+            out = with_policy(loss_fn, policy)(tracked, *copied)
+        loss = _loss_of(out, has_aux)
+        check_reads_no_module_parameters(loss)
         scaled = scaler.scale(loss)
-    leaves, spec = pytree.tree_flatten(tracked)
-    differentiated = [x for x in leaves if x.requires_grad]
-    backward: list[NonFiniteOrigin] = []
-    scaled_grads: tuple[torch.Tensor | None, ...] = (None,) * len(differentiated)
-    if scaled.requires_grad and differentiated:
-        backward, handles = _watch_backward(scaled.grad_fn, watch.labels)
-        try:
-            scaled_grads = torch.autograd.grad(scaled, differentiated, allow_unused=True)
-        finally:
-            for handle in handles:
-                handle.remove()
-    by_leaf = dict(zip(map(id, differentiated), scaled_grads, strict=True))
-    grads = [torch.zeros_like(x) if by_leaf.get(id(x)) is None else by_leaf[id(x)] for x in leaves]
+        leaves, spec = pytree.tree_flatten(tracked)
+        scaled_grads: tuple[torch.Tensor | None, ...] = (None,) * len(leaves)
+        backward = None
+        if scaled.requires_grad:
+            backward = BackwardWatch(scaled.grad_fn, forward.labels)
+            try:
+                scaled_grads = torch.autograd.grad(scaled, leaves, allow_unused=True)
+            finally:
+                backward.remove()
+    grads = [torch.zeros_like(x) if g is None else g for g, x in zip(scaled_grads, leaves, strict=True)]
     unscaled = scaler.unscale(pytree.tree_unflatten(grads, spec))
     return NonFiniteReport(
         loss=float(loss.detach()),
         loss_scale=float(scaler.loss_scale),
         nonfinite_inputs=_nonfinite_paths(params, "params") + _nonfinite_paths(args, "args"),
-        forward=watch.origin,
-        backward=backward[0] if backward else None,
+        forward=_origin(forward.found, modules),
+        backward=_origin(backward.found if backward else None, modules),
         nonfinite_grads=_nonfinite_paths(unscaled, "params"),
     )
+
+
+def _loss_of(out: Any, has_aux: bool) -> torch.Tensor:
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(f"with has_aux=True, loss_fn must return (loss, aux), got {type(out).__name__}")
+        out = out[0]
+    if not (isinstance(out, torch.Tensor) and out.dim() == 0 and out.is_floating_point()):
+        raise TypeError(f"loss_fn must return a 0-dim floating loss, got {out!r}")
+    return out

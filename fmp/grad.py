@@ -31,6 +31,8 @@ __all__ = [
     "Gradients",
     "ScalerTree",
     "check_param_leaves",
+    "check_params",
+    "check_reads_no_module_parameters",
     "check_scalers",
     "mixed_precision_grad",
     "with_policy",
@@ -101,7 +103,7 @@ def check_param_leaves(params: Any) -> None:
             )
 
 
-def _check_params(params: Any, policy: Policy) -> None:
+def check_params(params: Any, policy: Policy) -> None:
     """Every parameter is differentiated, so each must be a floating tensor in the param dtype."""
     check_param_leaves(params)
     for path, leaf in pytree.tree_flatten_with_path(params)[0]:
@@ -156,7 +158,7 @@ def _module_parameters_read(loss: torch.Tensor) -> list[torch.nn.Parameter]:
     return found
 
 
-def _check_reads_no_module_parameters(loss: Any) -> None:
+def check_reads_no_module_parameters(loss: Any) -> None:
     """Raises if the loss reads a module's own `nn.Parameter`s, which get no gradient from the step.
 
     Only a loss that autograd tracks is searched, so the usual step pays nothing, and other
@@ -187,7 +189,7 @@ def _warn_unless_depends_on_params(loss: torch.Tensor, which: str, params: Any) 
     """
     if torch.compiler.is_compiling() or loss.requires_grad or not pytree.tree_leaves(params):
         return
-    _check_reads_no_module_parameters(loss)
+    check_reads_no_module_parameters(loss)
     warnings.warn(
         f"loss_fn's {which} does not depend on params, so its gradients are all zero (weight decay and "
         f"momentum still move the params): was it detached, computed under torch.no_grad or rebuilt from "
@@ -291,7 +293,7 @@ def mixed_precision_grad(
     check_bool("has_aux", has_aux)
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be an fmp.Policy (e.g. fmp.get_policy('c=bf16')), got {type(policy).__name__}")
-    _check_params(params, policy)
+    check_params(params, policy)
     scalers = scaler if isinstance(scaler, tuple) else (scaler,)
     forward = _forward(loss_fn, policy)
 
@@ -321,7 +323,7 @@ def mixed_precision_grad(
 
     if not isinstance(scaler, tuple):
         scaled_grads, (loss, aux) = grad_of_loss(0)
-        _check_reads_no_module_parameters(loss)
+        check_reads_no_module_parameters(loss)
         grads = scaler.unscale(scaled_grads)
         grads_finite = all_finite(grads)
         return Gradients(grads, grads_finite, loss, aux, grads_finite)
@@ -332,7 +334,7 @@ def mixed_precision_grad(
     for index, s in enumerate(scalers):
         scaled_grads, (loss, aux) = grad_of_loss(index)
         per_loss.append(s.unscale(scaled_grads))
-    _check_reads_no_module_parameters(loss)
+    check_reads_no_module_parameters(loss)
     grads = _tree_sum(per_loss)
     # The sum is non-finite whenever a part is, and also when finite parts overflow on adding;
     # then no loss is to blame alone and every scale backs off.

@@ -46,9 +46,9 @@ def test_a_float16_forward_overflow_is_named_with_its_module_and_absorbed_by_tan
     # tanh(inf) is 1: the loss and gradients stay finite, as the step's flag says.
     grads = fmp.mixed_precision_grad(loss_of(model), params, fmp.NoOpLossScale(), x, y, policy=FLOAT16)
     assert report.finite and bool(grads.grads_finite) and report.backward is None
-    assert "`linear` in module `2.0`: float16 output" in str(report) and "a float16 forward op overflowed" in str(
-        report
-    )
+    text = str(report)
+    assert "`linear` in module `2.0` (Linear): inf in its float16 output (it holds at most 6.55e+04)" in text
+    assert "a float16 forward op overflowed" in text
 
 
 @hypothesis.given(log2_scale=st.integers(0, 40), seed=st.integers(0, 3), hidden_scale=st.sampled_from([1.0, 300.0]))
@@ -136,3 +136,87 @@ def test_bad_calls_raise_clear_errors() -> None:
         fmp.locate_nonfinite(lambda p, x, y: loss_of(model)(p, x, y)[None], params, x, y, policy=FLOAT16)
     with pytest.raises(TypeError, match=r"nn\.Parameter"):
         fmp.locate_nonfinite(loss_of(model), dict(model.named_parameters()), x, y, policy=FLOAT16)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with an -inf mask, an in-place residual, a remat'd MLP and its own op."""
+
+    def __init__(self, remat: bool = False, whole_rows: bool = False) -> None:
+        super().__init__()
+        self.qkv, self.mlp = nn.Linear(8, 24), nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+        self.remat, self.whole_rows = remat, whole_rows
+
+    def forward(self, x: torch.Tensor, gain: float) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        mask = torch.full((x.shape[1], x.shape[1]), float("-inf"), device=x.device).triu(1)
+        # With `whole_rows`, the first row is masked whole: its softmax is NaN.
+        dropped = torch.zeros(x.shape[1], x.shape[1], dtype=torch.bool)
+        dropped[int(not self.whole_rows) :, 0] = True
+        scores = (q @ k.transpose(-1, -2) + mask).masked_fill(dropped, float("-inf"))
+        h = scores.softmax(-1) @ v
+        h *= gain  # in place: its input is read before it runs
+        return (fmp.remat(self.mlp) if self.remat else self.mlp)(h).exp()
+
+
+def attention_loss(model: nn.Module, gain: float) -> Any:
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, params, (x, gain)).mean()
+
+    return loss_fn
+
+
+def test_masks_in_place_ops_remat_and_the_outermost_module_are_reported_as_they_ran() -> None:
+    torch.manual_seed(0)
+    model = Attention()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x = torch.randn(2, 5, 8)
+    # The -inf masks are made on purpose: no overflow. An in-place op that overflows is named.
+    report = fmp.locate_nonfinite(attention_loss(model, 1.0), params, x, policy=FLOAT16)
+    assert report.forward is None and report.finite and "forward: no overflow, no NaN" in str(report)
+    report = fmp.locate_nonfinite(attention_loss(model, 1e5), params, x, policy=FLOAT16)
+    assert report.forward is not None and (report.forward.op, report.forward.module) == ("mul_", "")
+    assert "in the outermost module (Attention): inf in its float16 output" in str(report)
+    # A row masked whole: the softmax makes NaN from inputs holding only -inf besides finite values.
+    report = fmp.locate_nonfinite(attention_loss(Attention(whole_rows=True), 1.0), params, x, policy=FLOAT16)
+    assert report.forward is not None and (report.forward.op, report.forward.made) == ("softmax", "NaN")
+    assert "from float32 inputs holding inf (finite values of magnitude at most" in str(report) and not report.finite
+    # A scaled backward overflow is placed in the same op with the MLP rematerialized or not.
+    scaler = fmp.StaticLossScale.create(2.0**20)
+    reports = [
+        fmp.locate_nonfinite(attention_loss(m, 1.0), params, x, policy=FLOAT16, scaler=scaler)
+        for m in (model, Attention(remat=True))
+    ]
+    assert reports[0].backward is not None and reports[0].backward.module_type in {"Linear", "Attention", "GELU"}
+    assert reports[0] == reports[1] and not reports[0].finite
+
+
+def test_a_vmap_inside_the_loss_and_the_caller_state_are_left_alone() -> None:
+    model, params, x, _ = mlp()
+    norm = nn.BatchNorm1d(1, affine=False)
+    buffers = {k: v.clone() for k, v in norm.named_buffers()}
+
+    def loss_fn(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        out = torch.func.vmap(lambda row: torch.func.functional_call(model, params, (row,)))(x)
+        out = torch.func.functional_call(norm, buffers, (nn.functional.dropout(out, 0.5),))
+        return out.square().mean()
+
+    torch.manual_seed(3)
+    before = pytree.tree_map(torch.clone, buffers), torch.get_rng_state()
+    report = fmp.locate_nonfinite(loss_fn, params, buffers, x, policy=FLOAT16)
+    assert report.finite and report.loss > 0
+    assert_trees_bitwise_equal((buffers, torch.get_rng_state()), before)
+
+
+def test_what_the_step_refuses_is_refused_here_too() -> None:
+    model, params, x, y = mlp()
+    with pytest.raises(ValueError, match=r"reads 6 nn\.Parameter"):
+        fmp.locate_nonfinite(lambda p, x, y: nn.functional.mse_loss(model(x), y), params, x, y, policy=FLOAT16)
+    with pytest.raises(TypeError, match=r"with has_aux=True, loss_fn must return \(loss, aux\)"):
+        fmp.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16, has_aux=True)
+    with pytest.raises(TypeError, match=r"params\['steps'\] is torch\.int64"):
+        fmp.locate_nonfinite(
+            loss_of(model), {**params, "steps": torch.zeros((), dtype=torch.int64)}, x, y, policy=FLOAT16
+        )
+    scalers = (fmp.DynamicLossScale.create(), fmp.DynamicLossScale.create())
+    with pytest.raises(TypeError, match=r"takes one scaler.*scaler=state\.scaler\[i\]"):
+        fmp.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16, scaler=scalers)  # type: ignore[arg-type]

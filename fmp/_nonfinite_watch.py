@@ -1,0 +1,204 @@
+"""The watchers behind `fmp.locate_nonfinite`: a function mode over the forward, hooks on the backward.
+
+Both look for the first call that makes inf or NaN out of finite values, and note the module that
+ran it (through global forward hooks, on the calling thread only). Reading a tensor's values here
+syncs with the host: these are debugging tools.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+from typing import NamedTuple
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from fmp.tree import functorch_base
+from fmp.tree import is_inexact_tensor
+
+__all__ = ["BackwardWatch", "ForwardWatch", "Found", "ModuleStack", "floating", "kinds"]
+
+
+def floating(tree: Any) -> list[torch.Tensor]:
+    """The non-empty floating and complex tensors of `tree`, with any `torch.func` wrapper taken off."""
+    leaves = [x for x in pytree.tree_leaves(tree) if is_inexact_tensor(x) and x.numel() > 0]
+    return [functorch_base(x) for x in leaves]
+
+
+def _largest_magnitude(tensors: list[torch.Tensor]) -> float:
+    """The largest finite magnitude among the values (0 if none)."""
+    magnitudes = [x.detach().abs() for x in tensors]
+    return max((float(m[torch.isfinite(m)].max()) for m in magnitudes if bool(torch.isfinite(m).any())), default=0.0)
+
+
+def kinds(tensors: list[torch.Tensor]) -> str:
+    """Which non-finite values the tensors hold: "", "inf", "NaN" or "inf and NaN"."""
+    infinite = any(bool(torch.isinf(x).any()) for x in tensors)
+    nan = any(bool(torch.isnan(x).any()) for x in tensors)
+    return " and ".join(kind for kind, present in (("inf", infinite), ("NaN", nan)) if present)
+
+
+def _new_kinds(before: str, after: str) -> bool:
+    # An op is an origin where it makes a kind its inputs did not hold: inf from finite values,
+    # or NaN from values without NaN (inf - inf, or a softmax over a row masked whole with -inf).
+    return any(kind in after and kind not in before for kind in ("inf", "NaN"))
+
+
+def _op_name(func: Any) -> str:
+    name = getattr(func, "__name__", None) or type(func).__name__
+    owner = getattr(getattr(func, "__self__", None), "__name__", None)
+    return f"{owner}.{name}" if name == "__get__" and owner else name
+
+
+class Found(NamedTuple):
+    """One call that made inf or NaN its inputs did not hold, its module still an object."""
+
+    op: str
+    node: str
+    module: nn.Module | None
+    made: str
+    inputs_held: str
+    input_dtypes: tuple[torch.dtype, ...]
+    output_dtypes: tuple[torch.dtype, ...]
+    largest_input: float
+
+
+def _found(op: str, node: str, module: nn.Module | None, inputs: list[Any], outputs: list[Any]) -> Found:
+    dtypes = tuple(x.dtype for x in inputs), tuple(x.dtype for x in outputs)
+    return Found(op, node, module, kinds(outputs), kinds(inputs), *dtypes, _largest_magnitude(inputs))
+
+
+class ModuleStack:
+    """The innermost module running on the calling thread, from global forward hooks."""
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+        self.running: list[nn.Module] = []
+        self.roots: list[nn.Module] = []
+
+    def _enter(self, module: nn.Module, *_: Any) -> None:
+        if threading.get_ident() != self.thread:
+            return
+        if not self.running and all(root is not module for root in self.roots):
+            self.roots.append(module)
+        self.running.append(module)
+
+    def _leave(self, module: nn.Module, *_: Any) -> None:
+        if threading.get_ident() == self.thread and self.running and self.running[-1] is module:
+            self.running.pop()
+
+    def current(self) -> nn.Module | None:
+        """The innermost module running, None outside any."""
+        return self.running[-1] if self.running else None
+
+    def name_of(self, module: nn.Module) -> str:
+        """Its qualified name in the largest module it ran under ("" for that module itself)."""
+        for root in sorted(self.roots, key=lambda r: -sum(1 for _ in r.modules())):
+            for name, candidate in root.named_modules():
+                if candidate is module:
+                    return str(name)
+        return ""
+
+    @contextmanager
+    def hooked(self) -> Iterator[None]:
+        """Registers the global forward hooks for the body, and removes them after."""
+        pre = nn.modules.module.register_module_forward_pre_hook(self._enter)
+        post = nn.modules.module.register_module_forward_hook(self._leave, always_call=True)
+        try:
+            yield
+        finally:
+            pre.remove()
+            post.remove()
+
+
+class _Label(NamedTuple):
+    op: str
+    module: nn.Module | None
+    forward_finite: bool  # whether the call's outputs were all finite
+
+
+def _intends_nonfinite(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    # A factory given no tensor (torch.full(..., -inf)) or a call given an inf or NaN number
+    # (masked_fill(mask, -inf)) makes a mask, not an overflow.
+    leaves = pytree.tree_leaves((args, kwargs))
+    numbers = [x for x in leaves if isinstance(x, float)]
+    return not any(isinstance(x, torch.Tensor) for x in leaves) or any(not math.isfinite(x) for x in numbers)
+
+
+class ForwardWatch(TorchFunctionMode):
+    """Checks every call's floating inputs (before it runs) and outputs; labels their gradient functions."""
+
+    def __init__(self, modules: ModuleStack) -> None:
+        super().__init__()
+        self.modules = modules
+        self.found: Found | None = None
+        self.labels: dict[Any, _Label] = {}
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        inputs = floating((args, kwargs))
+        # Read before the call, which may update its inputs in place.
+        held = kinds(inputs)
+        snapshot = [x.detach().clone() for x in inputs] if self.found is None else []
+        out = func(*args, **kwargs)
+        outputs = floating(out)
+        if not outputs:
+            return out
+        made = kinds(outputs)
+        label = _Label(_op_name(func), self.modules.current(), not made)
+        for x in outputs:
+            if x.grad_fn is not None:
+                self.labels.setdefault(x.grad_fn, label)
+        if self.found is None and _new_kinds(held, made) and not _intends_nonfinite(args, kwargs):
+            self.found = _found(label.op, "", label.module, snapshot, outputs)
+        return out
+
+
+class BackwardWatch:
+    """Hooks every gradient function under a loss; `found` holds the first to make inf or NaN.
+
+    A gradient function counts only where its forward call's outputs were finite: one that meets
+    the forward's inf or NaN passes it on rather than making it. A node inside a composite call
+    (no call returned its output) takes the label of the call it feeds.
+
+    Args:
+        root: The loss's gradient function.
+        labels: Each gradient function's forward call, from `ForwardWatch`.
+    """
+
+    def __init__(self, root: Any, labels: dict[Any, _Label]) -> None:
+        self.found: Found | None = None
+        self.handles: list[Any] = []
+        seen: set[Any] = set()
+        stack = [(root, labels.get(root, _Label("", None, True)))]
+        while stack:
+            node, inherited = stack.pop()
+            if node is None or node in seen or hasattr(node, "variable"):  # AccumulateGrad: a leaf
+                continue
+            seen.add(node)
+            label = labels.get(node, inherited)
+            self.handles.append(node.register_hook(self._hook(node, label)))
+            stack.extend((next_node, label) for next_node, _ in node.next_functions)
+
+    def _hook(self, node: Any, label: _Label) -> Any:
+        def hook(grad_inputs: Any, grad_outputs: Any) -> None:
+            if self.found is not None or not label.forward_finite:
+                return
+            incoming, made = floating(grad_outputs), floating(grad_inputs)
+            if made and _new_kinds(kinds(incoming), kinds(made)):
+                self.found = _found(label.op, node.name(), label.module, incoming, made)
+
+        return hook
+
+    def remove(self) -> None:
+        """Removes the hooks."""
+        for handle in self.handles:
+            handle.remove()
