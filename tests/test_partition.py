@@ -129,6 +129,9 @@ def test_a_state_saved_with_the_groups_listed_the_other_way_round_steps_on() -> 
 
 @pytest.mark.compiled
 def test_a_compiled_donated_step_with_groups_is_one_graph_and_matches_eager() -> None:
+    # torch.compile of any functools.partial shares one code object; a fresh Dynamo keeps what
+    # earlier tests compiled (their automatic dynamic shapes) from restarting this compile.
+    torch._dynamo.reset()
     model = make_model()
     groups = {"decay": fmp.optim.adamw(1e-2, weight_decay=0.1), "no_decay": fmp.optim.sgd(1e-2, 0.9)}
     optimizer = fmp.optim.clip_by_global_norm(fmp.optim.partition(groups, decays), 1.0)

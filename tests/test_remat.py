@@ -509,6 +509,9 @@ def test_property_remat_never_changes_a_gradient(layers: int, width: int, seed: 
 
 @pytest.mark.compiled
 def test_compiled_step_with_remat_is_one_graph_and_matches_eager() -> None:
+    # torch.compile of any functools.partial shares one code object; a fresh Dynamo keeps what
+    # earlier tests compiled (their automatic dynamic shapes) from restarting this compile.
+    torch._dynamo.reset()
     # Compiled, remat calls the block as it is (Inductor plans the one graph's memory itself).
     plain, wrapped, params = residual_pair(dropout=0.0)
     plain.eval(), wrapped.eval()

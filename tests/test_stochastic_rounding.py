@@ -228,6 +228,9 @@ def test_a_saved_state_loads_bit_for_bit(tmp_path: pathlib.Path) -> None:
 
 @pytest.mark.compiled
 def test_a_compiled_step_is_one_graph_across_updates_and_matches_eager() -> None:
+    # torch.compile of any functools.partial shares one code object; a fresh Dynamo keeps what
+    # earlier tests compiled (their automatic dynamic shapes) from restarting this compile.
+    torch._dynamo.reset()
     # With a float32 moving average of the bfloat16 params on top (fmp.optim.ema), as it is used.
     optimizer = fmp.optim.ema(fmp.optim.stochastic_rounding(fmp.optim.adamw(1e-2), seed=3), decay=0.9)
     step = functools.partial(fmp.train_step, mlp_loss, policy=BF16_POLICY, optimizer=optimizer)

@@ -307,6 +307,9 @@ def test_gradients_equal_torch_func_grad_whether_or_not_an_outer_transform_diffe
 
 @pytest.mark.compiled
 def test_compiled_step_updates_batchnorm_statistics_passed_as_args_like_eager() -> None:
+    # torch.compile of any functools.partial shares one code object; a fresh Dynamo keeps what
+    # earlier tests compiled (their automatic dynamic shapes) from restarting this compile.
+    torch._dynamo.reset()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     optimizer = fmp.optim.sgd(0.1)
