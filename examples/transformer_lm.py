@@ -10,7 +10,8 @@ permutation drives the loss from log(vocab) towards the noise floor.
     python examples/transformer_lm.py [--dtype float16 --steps 200 --accumulate 4 --compile]
 
 One micro-batch of step `--poison-step` has its logits multiplied by inf, standing in for a bad
-batch: that whole step is skipped, the scale backs off once, and the plot marks it.
+batch: that whole step is skipped, the scale backs off once, and the plot marks it. At the end,
+`fmp.locate_nonfinite` runs that micro-batch again and says where its inf came from.
 
 The plot (`--plot transformer_lm.png`) needs matplotlib (`pip install matplotlib`); without it the
 run says so and goes on.
@@ -189,9 +190,12 @@ def main() -> None:
     losses, scales, applied = [], [], []
     window_loss = torch.zeros((), device=device)
     clean, poisoned = torch.ones((), device=device), torch.full((), math.inf, device=device)
+    bad_batch: tuple[torch.Tensor, ...] = ()
     start = time.perf_counter()
     for i, (tokens, targets) in enumerate(data):
         poison = poisoned if i == (args.poison_step - 1) * args.accumulate else clean
+        if poison is poisoned:
+            bad_batch = (tokens.to(device), targets.to(device), poison)
         state, info = step(state, tokens.to(device), targets.to(device), poison)
         window_loss = window_loss + info.loss / args.accumulate
         if (i + 1) % args.accumulate:
@@ -219,6 +223,10 @@ def main() -> None:
         f"final loss scale {float(state.scaler.loss_scale):g}; {seconds:.1f} s"
     )
     save_plot(args.plot, loss_values, torch.stack(scales).tolist(), applied_values)
+    if bad_batch and int(counts.skipped):
+        # A debugging pass (it reads every op's output): which op made the skipped step's inf or NaN.
+        report = fmp.locate_nonfinite(loss_fn, state.params, *bad_batch, policy=policy, scaler=state.scaler)
+        print(f"the poisoned micro-batch, located {report}")
 
 
 if __name__ == "__main__":

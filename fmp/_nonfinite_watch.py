@@ -32,9 +32,10 @@ def floating(tree: Any) -> list[torch.Tensor]:
 
 
 def _largest_magnitude(tensors: list[torch.Tensor]) -> float:
-    """The largest finite magnitude among the values (0 if none)."""
+    """The largest finite magnitude among the values (NaN if none is finite)."""
     magnitudes = [x.detach().abs() for x in tensors]
-    return max((float(m[torch.isfinite(m)].max()) for m in magnitudes if bool(torch.isfinite(m).any())), default=0.0)
+    finite = [m[torch.isfinite(m)] for m in magnitudes]
+    return max((float(m.max()) for m in finite if m.numel()), default=math.nan)
 
 
 def kinds(tensors: list[torch.Tensor]) -> str:

@@ -54,7 +54,7 @@ class NonFiniteOrigin:
             (inf - inf, a softmax over a row masked whole with -inf).
         input_dtypes: The dtypes of the floating inputs (in the backward: the incoming gradients).
         output_dtypes: The dtypes of the floating outputs (in the backward: the gradients made).
-        largest_input: The largest finite magnitude among those inputs.
+        largest_input: The largest finite magnitude among those inputs (NaN if none is finite).
     """
 
     op: str
@@ -80,7 +80,9 @@ class NonFiniteOrigin:
         limits = sorted({torch.finfo(d).max for d in self.output_dtypes if d.is_floating_point})
         bound = f" (it holds at most {limits[0]:.4g})" if "inf" in self.made and limits else ""
         largest = f"{self.largest_input:.4g}"
-        if self.inputs_held:
+        if math.isnan(self.largest_input):
+            held = f"{inputs} inputs holding {self.inputs_held} and no finite value"
+        elif self.inputs_held:
             held = f"{inputs} inputs holding {self.inputs_held} (finite values of magnitude at most {largest})"
         else:
             held = f"finite {inputs} inputs of magnitude at most {largest}"

@@ -67,6 +67,10 @@ def test_transformer_lm_skips_the_poisoned_step_saves_its_plot_and_trains_the_sa
     assert last < first
     assert f"plot saved to {tmp_path / 'lm.png'}" in stdout
     assert (tmp_path / "lm.png").read_bytes().startswith(b"\x89PNG")
+    # The located report names the poison among the inputs, and every parameter's gradient.
+    report = stdout.split("the poisoned micro-batch, located ", 1)[1]
+    assert report.startswith("at loss scale 131072, loss nan:\n  inputs already not finite: args[2]\n")
+    assert "gradients not finite (the step skips): params['tokens.weight']" in report
     # Recomputing each block in the backward pass changes no gradient: the same losses, digit for digit.
     remat = run_transformer_lm(tmp_path / "remat.png", None, "--remat")
     assert re.findall(r"loss: .*", remat) == re.findall(r"loss: .*", stdout)
