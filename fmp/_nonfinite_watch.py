@@ -25,10 +25,17 @@ from fmp.tree import is_inexact_tensor
 __all__ = ["BackwardWatch", "ForwardWatch", "Found", "ModuleStack", "floating", "kinds"]
 
 
+def _values(x: torch.Tensor) -> torch.Tensor:
+    # A sparse tensor's stored values (the implicit zeros are finite).
+    if x.layout == torch.sparse_coo:
+        return x._values()
+    return x if x.layout == torch.strided else x.values()
+
+
 def floating(tree: Any) -> list[torch.Tensor]:
-    """The non-empty floating and complex tensors of `tree`, with any `torch.func` wrapper taken off."""
+    """The non-empty floating and complex tensors of `tree` (their stored values, with any `torch.func` wrapper off)."""
     leaves = [x for x in pytree.tree_leaves(tree) if is_inexact_tensor(x) and x.numel() > 0]
-    return [functorch_base(x) for x in leaves]
+    return [_values(functorch_base(x)) for x in leaves]
 
 
 def _largest_magnitude(tensors: list[torch.Tensor]) -> float:

@@ -10,12 +10,14 @@ cannot repeat and saves the inputs the forward overwrites, so the recompute star
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 from torch._functorch.eager_transforms import _vjp_with_argnums
+from torch.autograd.graph import saved_tensors_hooks
 
 from fmp._remat_watch import Watch
 from fmp._remat_watch import is_differentiated
@@ -55,6 +57,13 @@ class Call:
     ) -> None:
         self.fn, self.name, self.ambient = fn, name, ambient
         self.jvp_levels = jvp_levels()
+        # Under torch.func the recompute runs in a vjp, and the first run at a torch.func level of
+        # its own; with plain autograd, both run without one. Some random ops place their numbers
+        # differently at a level (dropout on a transposed tensor), so both runs must agree, and each
+        # agrees with the unwrapped function run in the same setting.
+        stack = torch._C._functorch.get_interpreter_stack() or []
+        self.leveled = bool(stack)
+        self.outer_level = max((i.level() for i in stack), default=0)
         with_paths, self.spec = pytree.tree_flatten_with_path((args, kwargs))
         leaves = [leaf for _, leaf in with_paths]
         self.where = [_argument_name(path) for path, _ in with_paths]
@@ -62,10 +71,8 @@ class Call:
         slots = set(self.slots)
         self.constants: list[Any] = [None if i in slots else leaf for i, leaf in enumerate(leaves)]
         self.differentiated = [is_differentiated(leaves[i]) for i in self.slots]
-        # Per input the recompute copies: its value from before the forward updated it in place,
-        # or (for an update no call showed, seen by its version) the value after it.
+        # The inputs the forward updated in place, as they were before: the recompute updates copies.
         self.before: dict[int, torch.Tensor] = {}
-        self.copies = [False for _ in self.slots]
         self.out_spec: pytree.TreeSpec | None = None
         self.differentiable_outputs: list[bool] = []
 
@@ -82,35 +89,76 @@ class Call:
         return self.ambient.run(self.fn, *args, **kwargs)
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """Runs the call with nothing recorded, and notes its outputs and what it updated in place."""
+        """Runs the call as the recompute will, keeping nothing of it but its outputs and the inputs it overwrote.
+
+        The differentiated inputs require grad here too, so modules pick the kernels they pick in
+        the recompute and in the unwrapped function (attention's fast path, say); what autograd
+        records is dropped with the run.
+        """
         # Fresh objects: the same tensor read from elsewhere (a module's own weight) is told apart.
         aliases = tuple(x.detach() for x in inputs)
-        before = [_version(x) for x in aliases]
+        versions = [_version(x) for x in aliases]
         where = [self.where[slot] for slot in self.slots]
-        watch = Watch(self.name, aliases, where, self.differentiated, self.jvp_levels)
-        with torch.no_grad(), watch:
-            out = self._run(aliases)
-        self.before = watch.before
-        for n, (x, version) in enumerate(zip(aliases, before, strict=True)):
-            if _version(x) == version or n in self.before:
-                continue
-            if self.differentiated[n]:
+        levels = self._enter_levels()
+        try:
+            wrap = torch._C._functorch._wrap_for_grad
+            leveled = aliases
+            for entered in levels:  # an input at every level, so each lets the block update it in place
+                leveled = tuple(wrap(x, entered) for x in leveled)
+            allowed = torch._C._functorch.get_inplace_requires_grad_allowed()
+            torch._C._functorch.set_inplace_requires_grad_allowed(True)  # as torch.func marks its inputs
+            try:
+                for x, differentiated in zip(leveled, self.differentiated, strict=True):
+                    x.requires_grad_(differentiated)
+            finally:
+                torch._C._functorch.set_inplace_requires_grad_allowed(allowed)
+            watch = Watch(self.name, leveled, where, self.differentiated, self.jvp_levels)
+            # The record is never used: with plain autograd nothing of it is kept (torch.func refuses
+            # saved-tensor hooks, and frees it when this run's level exits).
+            dropped = contextlib.nullcontext() if self.leveled else saved_tensors_hooks(_drop, _never_used)
+            with torch.enable_grad(), dropped, watch:
+                out = self._run(leveled)
+            out_leaves, self.out_spec = pytree.tree_flatten(out)
+            for path, leaf in pytree.tree_flatten_with_path(out)[0]:
+                if not isinstance(leaf, torch.Tensor):
+                    raise TypeError(
+                        f"fmp.remat: {self.name} returned a {type(leaf).__name__} at output{pytree.keystr(path)}; "
+                        f"a rematerialized function returns tensors only (compute constants outside it)"
+                    )
+            fresh = [watch.made(o) for o in out_leaves]
+            self.before = dict(watch.before)
+            unwrap = torch._C._functorch._unwrap_for_grad
+            for entered in reversed(levels):
+                out_leaves = [unwrap(o, entered) for o in out_leaves]
+                self.before = {n: unwrap(x, entered) for n, x in self.before.items()}
+        finally:
+            for _ in levels:
+                torch._C._functorch._grad_decrement_nesting()
+        for n, (x, version) in enumerate(zip(aliases, versions, strict=True)):
+            if _version(x) != version and n not in self.before:
                 raise RuntimeError(
-                    f"fmp.remat: {self.name} updated its argument {where[n]} in place, so its recompute would "
-                    f"start from the updated value; update a copy (x = x.clone()) instead"
-                )
-            self.copies[n] = True
-        out_leaves, self.out_spec = pytree.tree_flatten(out)
-        for path, leaf in pytree.tree_flatten_with_path(out)[0]:
-            if not isinstance(leaf, torch.Tensor):
-                raise TypeError(
-                    f"fmp.remat: {self.name} returned a {type(leaf).__name__} at output{pytree.keystr(path)}; "
-                    f"a rematerialized function returns tensors only (compute constants outside it)"
+                    f"fmp.remat: {self.name} updated its argument {where[n]} in place through a call fmp cannot "
+                    f"see, so its recompute could not start from the value the first run read; update a copy "
+                    f"(x = x.clone()) instead"
                 )
         self.differentiable_outputs = [is_inexact_tensor(leaf) for leaf in out_leaves]
+        if not self.leveled:
+            return tuple(o.detach() for o in out_leaves)
         # A tensor that existed before the call (an argument, a captured constant) returned as it
         # is would be marked as the Function's output in place; a view of it is a new tensor.
-        return tuple(o if id(o) in watch.created else o.view_as(o) for o in out_leaves)
+        return tuple(o if made else o.view_as(o) for o, made in zip(out_leaves, fresh, strict=True))
+
+    def _enter_levels(self) -> list[int]:
+        """Enters the torch.func levels the first run takes: above every level of the caller's tensors.
+
+        The Function's forward runs with the caller's transforms set aside, so a new level would
+        take the number of one of theirs, whose captured tensors would then look like its own;
+        levels below it keep those numbers taken (each passes their tensors through).
+        """
+        levels: list[int] = []
+        while self.leveled and (not levels or levels[-1] <= self.outer_level):
+            levels.append(torch._C._functorch._grad_increment_nesting())
+        return levels
 
     def _recomputed(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         outs = pytree.tree_leaves(self._run(inputs))
@@ -118,10 +166,7 @@ class Call:
 
     def _recompute_arguments(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         # The recompute updates copies, so the caller's tensors are updated once, by the forward.
-        return tuple(
-            self.before[n].clone() if n in self.before else x.clone() if self.copies[n] else x
-            for n, x in enumerate(_alive(inputs))
-        )
+        return tuple(self.before[n].clone() if n in self.before else x for n, x in enumerate(_alive(inputs)))
 
     def pullback(
         self, inputs: tuple[torch.Tensor, ...], cotangents: tuple[torch.Tensor | None, ...]
@@ -129,6 +174,8 @@ class Call:
         """Recomputes the call under the state it first ran in, and pulls `cotangents` back to the inputs."""
         arguments = self._recompute_arguments(inputs)
         cotangents = _alive(cotangents)
+        if not self.leveled:
+            return self._plain_pullback(arguments, cotangents)
         argnums = tuple(n for n, differentiated in enumerate(self.differentiated) if differentiated)
         with self.ambient.replayed():
             # Everything goes in as an argument: torch.func lets a function update its arguments in
@@ -142,6 +189,37 @@ class Call:
         record = torch.is_grad_enabled()
         grads = iter(vjp_fn(tuple(kept), retain_graph=record, create_graph=record))
         return tuple(next(grads) if differentiated else None for differentiated in self.differentiated)
+
+    def _plain_pullback(
+        self, arguments: tuple[torch.Tensor, ...], cotangents: tuple[torch.Tensor | None, ...]
+    ) -> tuple[torch.Tensor | None, ...]:
+        # With plain autograd (loss.backward()). A backward pass that builds its own graph
+        # (create_graph=True) differentiates the recompute from the inputs themselves.
+        record = torch.is_grad_enabled()
+        differentiated = [
+            x if record else x.detach().requires_grad_()
+            for x, d in zip(arguments, self.differentiated, strict=True)
+            if d
+        ]
+        given = iter(differentiated)
+        arguments = tuple(next(given) if d else x for x, d in zip(arguments, self.differentiated, strict=True))
+        with torch.enable_grad(), self.ambient.replayed():
+            outs = self._recomputed(*arguments)
+        kept = [c for c, keep in zip(cotangents, self.differentiable_outputs, strict=True) if keep]
+        pairs = [(o, c) for o, c in zip(outs, kept, strict=True) if c is not None and o.requires_grad]
+        grads = iter(
+            torch.autograd.grad(
+                [o for o, _ in pairs],
+                differentiated,
+                [c for _, c in pairs],
+                retain_graph=record,
+                create_graph=record,
+                allow_unused=True,
+            )
+            if pairs
+            else [None] * len(differentiated)
+        )
+        return tuple(next(grads) if d else None for d in self.differentiated)
 
     def pushforward(
         self, inputs: tuple[torch.Tensor, ...], tangents: tuple[torch.Tensor | None, ...]
@@ -162,6 +240,14 @@ class Call:
             out_tangents = torch.func.jvp(with_primals, primals, tangents)[1]
         kept = iter(out_tangents)
         return tuple(next(kept) if keep else None for keep in self.differentiable_outputs)
+
+
+def _drop(_: torch.Tensor) -> None:
+    return None
+
+
+def _never_used(_: None) -> torch.Tensor:
+    raise RuntimeError("fmp.remat: the first run's record was differentiated; only the recompute's may be")
 
 
 def _argument_name(path: tuple[Any, ...]) -> str:

@@ -10,6 +10,9 @@ statistics they are given without bumping version counters, so their calls are w
 
 from __future__ import annotations
 
+import functools
+import inspect
+from types import FunctionType
 from typing import Any
 
 import torch
@@ -17,19 +20,25 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from fmp.tree import functorch_base
 from fmp.tree import is_inexact_tensor
 
-__all__ = ["Watch", "is_differentiated", "jvp_levels"]
+__all__ = ["CAPTURED", "MADE", "Watch", "is_differentiated", "jvp_levels"]
+
+MADE = -1
+"""`Watch.owners`' mark of a tensor the block made, with memory of its own."""
+CAPTURED = -2
+"""`Watch.owners`' mark of a tensor in a captured tensor's memory."""
 
 # Calls whose result carries no gradient of their tensor arguments: metadata, and factories that
 # take only a shape and dtype from them.
 _NO_GRADIENT_THROUGH = frozenset(
-    {"size", "dim", "numel", "is_floating_point", "is_complex", "element_size", "stride"}
+    {"size", "dim", "numel", "is_floating_point", "is_complex", "element_size", "stride", "__len__", "detach"}
     | {"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "randint_like"}
 )
 # Properties read through `__get__` that return metadata, not a view (x.T and x.real are views).
 _METADATA_PROPERTIES = frozenset(
-    {"shape", "dtype", "device", "ndim", "layout", "requires_grad", "is_leaf", "names", "itemsize", "nbytes"}
+    {"shape", "dtype", "device", "ndim", "layout", "requires_grad", "is_leaf", "names", "itemsize", "nbytes", "data"}
     | {"is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested"}
 )
 _IN_PLACE_OPERATORS = frozenset(
@@ -111,12 +120,29 @@ def _updated_statistics(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     return [*args[position : position + 2], kwargs.get("running_mean"), kwargs.get("running_var")]
 
 
+@functools.cache
+def _inplace_position(func: Any) -> int | None:
+    """Where a Python function (F.dropout, F.leaky_relu) takes its `inplace` flag, if it has one."""
+    try:
+        names = list(inspect.signature(func).parameters)
+    except (TypeError, ValueError):  # builtins without a signature
+        return None
+    return names.index("inplace") if "inplace" in names else None
+
+
+def _updates_its_input(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    if not isinstance(func, FunctionType):
+        return False
+    position = _inplace_position(func)
+    return position is not None and bool(args[position] if len(args) > position else kwargs.get("inplace", False))
+
+
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors a call is about to update in place: its `self`, its `out=`, a norm's statistics."""
+    """The tensors a call is about to update in place: its `self` or input, its `out=`, a norm's statistics."""
     name = _name(func) or ""
     targets: list[Any] = _updated_statistics(func, args, kwargs) + pytree.tree_leaves(kwargs.get("out"))
     updates_self = name.endswith("_") and not name.startswith("__") and name != "requires_grad_"
-    if args and (updates_self or name in _IN_PLACE_OPERATORS):
+    if args and (updates_self or name in _IN_PLACE_OPERATORS or _updates_its_input(func, args, kwargs)):
         targets.append(args[0])
     return [x for x in targets if isinstance(x, torch.Tensor)]
 
@@ -134,7 +160,9 @@ class Watch(TorchFunctionMode):
 
     Attributes:
         before: The value of each input the block updated in place, from before its first update.
-        created: The ids of the tensors the block's calls returned.
+        owners: For each tensor the block's calls returned (by id): `MADE` where it has memory of
+            its own, the input's index where it shares an input's memory (a view, `.detach()`,
+            `.data`), `CAPTURED` where it shares a captured tensor's.
     """
 
     def __init__(
@@ -147,13 +175,18 @@ class Watch(TorchFunctionMode):
     ) -> None:
         super().__init__()
         self.name, self.inputs, self.where, self.differentiated = name, inputs, where, differentiated
-        self.slot_of = {id(x): n for n, x in enumerate(inputs)}
+        self.owners: dict[int, int] = {id(x): n for n, x in enumerate(inputs)}
         self.jvp_levels = jvp_levels
         self.before: dict[int, torch.Tensor] = {}
-        self.created: set[int] = set()
+
+    def made(self, x: torch.Tensor) -> bool:
+        """Whether `x` came out of one of the block's calls with memory of its own."""
+        return self.owners.get(id(x)) == MADE
 
     def _refused(self, x: torch.Tensor) -> bool:
-        if id(x) in self.slot_of or not is_inexact_tensor(x):
+        # What the block made or took in is its own: its intermediates may wear this run's torch.func
+        # level, whose number an outer jvp's (set aside for the run) can share.
+        if self.owners.get(id(x), CAPTURED) != CAPTURED or not is_inexact_tensor(x):
             return False
         return is_differentiated(x) or not self.jvp_levels.isdisjoint(_wrapper_levels(x))
 
@@ -170,23 +203,26 @@ class Watch(TorchFunctionMode):
                 )
 
     def _save_before_write(self, target: torch.Tensor) -> None:
-        root = target if target._base is None else target._base  # a view writes into its base
-        slot = self.slot_of.get(id(root))
-        if slot is None:
-            if id(root) in self.created:
-                return
+        owner = self.owners.get(id(target), CAPTURED)
+        if owner == CAPTURED and target._base is not None:  # a view made where no call showed it
+            owner = self.owners.get(id(target._base), CAPTURED)
+        if owner == MADE:
+            return
+        if owner == CAPTURED:
             raise RuntimeError(
-                f"fmp.remat: {self.name} updates a tensor of shape {tuple(root.shape)} in place that is not one of "
-                f"its arguments (a buffer or running statistics it captured), so its recompute would update it "
-                f"again. Wrap the nn.Module itself (fmp.remat(layer)), or pass the tensor as an argument"
+                f"fmp.remat: {self.name} updates a tensor of shape {tuple(target.shape)} in place that is not one of "
+                f"its arguments (a buffer or running statistics it captured; or one made by a constructor fmp "
+                f"cannot see, such as torch.from_numpy: make it with torch.tensor or torch.empty), so its recompute "
+                f"would update it again. Wrap the nn.Module itself (fmp.remat(layer)), or pass the tensor as an "
+                f"argument"
             )
-        if self.differentiated[slot]:
+        if self.differentiated[owner]:
             raise RuntimeError(
-                f"fmp.remat: {self.name} updates its argument {self.where[slot]} in place, so its recompute would "
+                f"fmp.remat: {self.name} updates its argument {self.where[owner]} in place, so its recompute would "
                 f"start from the updated value; update a copy (x = x.clone()) instead"
             )
-        if slot not in self.before:
-            self.before[slot] = self.inputs[slot].clone()
+        if owner not in self.before:
+            self.before[owner] = self.inputs[owner].clone()
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -197,5 +233,21 @@ class Watch(TorchFunctionMode):
         for target in _written(func, args, kwargs):
             self._save_before_write(target)
         out = func(*args, **kwargs)
-        self.created.update(id(x) for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor))
+        given = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        memory = {_memory(x): self.owners.get(id(x), CAPTURED) for x in given}
+        memory.pop(0, None)
+        for x in pytree.tree_leaves(out):
+            if isinstance(x, torch.Tensor) and all(x is not g for g in given):
+                # An output in an argument's memory belongs where that argument does.
+                self.owners[id(x)] = memory.get(_memory(x) or -1, MADE)
+            elif isinstance(x, torch.Tensor) and id(x) not in self.owners:
+                self.owners[id(x)] = CAPTURED  # an argument returned as it is (x.to(x.device))
         return out
+
+
+def _memory(x: torch.Tensor) -> int:
+    """Where `x`'s memory starts (0 where it cannot be told: no storage, or an empty one)."""
+    try:
+        return int(functorch_base(x).untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return 0

@@ -139,6 +139,11 @@ class NonFiniteReport:
     def _hints(self) -> list[str]:
         if self.nonfinite_inputs:
             return ["the inputs hold inf or NaN already, which no loss scale can help: check the batch and params"]
+        if self.forward and math.isfinite(self.loss):
+            # Absorbed on the way to the loss (a mask, a saturating op): not what a skip is about.
+            absorbed = "the forward's inf or NaN did not reach the loss (a mask or a saturating op took it in)"
+            backward = self._hints_for_backward()
+            return [absorbed, *backward] if backward or not self.finite else [absorbed]
         if self.forward and torch.float16 in self.forward.output_dtypes:
             return [
                 "a float16 forward op overflowed: run it in float32 (fmp.fixed_dtype, or an autocast override), "
@@ -146,9 +151,12 @@ class NonFiniteReport:
             ]
         if self.forward:
             return ["an op made inf or NaN from finite inputs: a log of 0, a division by 0, or an exploding activation"]
+        return self._hints_for_backward()
+
+    def _hints_for_backward(self) -> list[str]:
         if self.backward and self.loss_scale > 1:
             return [
-                "only the scaled backward pass overflowed: a DynamicLossScale backs off and retries; if it "
+                "the scaled backward pass overflowed: a DynamicLossScale backs off and retries; if it "
                 "keeps overflowing at its minimum scale, run that op in float32 or compute in bfloat16"
             ]
         return []

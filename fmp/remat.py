@@ -3,10 +3,11 @@
 `torch.utils.checkpoint` fails under `torch.func.grad` and `vjp` in both of its forms (the
 non-reentrant one uses saved-tensor hooks, which torch.func refuses; the reentrant one is an
 `autograd.Function` without `setup_context`). `remat(fn)` is an `autograd.Function` written for
-torch.func: its forward runs `fn` without recording anything, keeping only `fn`'s inputs, and its
-backward runs `fn` again under `torch.func.vjp` to get the gradients. So a wrapped block holds
-none of its activations between the forward and the backward pass, at the price of running its
-forward twice. `fmp._remat_call` runs one call; `fmp._replay` keeps what its recompute replays.
+torch.func: its forward runs `fn` as the recompute will and keeps only `fn`'s inputs and outputs,
+and its backward runs `fn` again (under `torch.func.vjp`, or plain autograd outside torch.func)
+to get the gradients. So a wrapped block holds none of its activations between the forward and
+the backward pass, at the price of running its forward twice. `fmp._remat_call` runs one call,
+`fmp._remat_watch` checks what it reads and writes, `fmp._replay` keeps what its recompute replays.
 """
 
 from __future__ import annotations
@@ -76,10 +77,13 @@ def remat(fn: Callable[P, R], *, preserve_rng_state: bool = True) -> Callable[P,
     fails under torch.func. The gradients equal those of `fn` itself bit for bit (in fmp's step,
     a `vmap` over it, and `loss.backward()`): the recompute runs under the fmp autocast region,
     `fmp.module_policies` forwards, torch.autocast state and random number generator states the
-    first run saw. Where a `vmap` runs inside the differentiation with weights shared across the
-    batch (`grad(vmap(f))`), torch's batching rule for an autograd.Function sums per-sample
-    weight gradients, which rounds differently (~1e-7 in float32). `torch.autograd.forward_ad`
-    dual tensors are refused: use `torch.func.jvp`.
+    first run saw, and both runs are set up alike (grad mode, inputs requiring grad, a torch.func
+    level where the caller has one), so modules pick the same kernels and random ops place their
+    numbers alike (dropout on a transposed tensor). Where a `vmap` runs inside the
+    differentiation with weights shared across the batch (`grad(vmap(f))`), torch's batching
+    rule for an autograd.Function sums per-sample weight gradients, which rounds differently
+    (~1e-7 in float32). `torch.autograd.forward_ad` dual tensors are refused: use
+    `torch.func.jvp`.
 
     The saving needs a backward pass that frees what it has used, as fmp's step and
     `loss.backward()` run it. A bare `torch.func.grad` keeps its whole graph to the end

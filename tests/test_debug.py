@@ -48,7 +48,7 @@ def test_a_float16_forward_overflow_is_named_with_its_module_and_absorbed_by_tan
     assert report.finite and bool(grads.grads_finite) and report.backward is None
     text = str(report)
     assert "`linear` in module `2.0` (Linear): inf in its float16 output (it holds at most 6.55e+04)" in text
-    assert "a float16 forward op overflowed" in text
+    assert "did not reach the loss (a mask or a saturating op took it in)" in text
 
 
 @hypothesis.given(log2_scale=st.integers(0, 40), seed=st.integers(0, 3), hidden_scale=st.sampled_from([1.0, 300.0]))
@@ -75,7 +75,7 @@ def test_a_backward_overflow_inside_a_module_names_the_module_and_the_gradient_f
     report = fmp.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16, scaler=scaler)
     assert report.backward is not None and not report.finite
     assert (report.backward.op, report.backward.node, report.backward.module) == ("linear", "AddmmBackward0", "3")
-    assert "only the scaled backward pass overflowed" in str(report)
+    assert "the scaled backward pass overflowed" in str(report)
     # Past 65504 the gradient reaching the model's float16 output overflows first, in the cast
     # the policy's output rule made outside any module.
     report = fmp.locate_nonfinite(
@@ -220,3 +220,27 @@ def test_what_the_step_refuses_is_refused_here_too() -> None:
     scalers = (fmp.DynamicLossScale.create(), fmp.DynamicLossScale.create())
     with pytest.raises(TypeError, match=r"takes one scaler.*scaler=state\.scaler\[i\]"):
         fmp.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16, scaler=scalers)  # type: ignore[arg-type]
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning")
+def test_an_absorbed_forward_overflow_is_said_to_be_absorbed_and_sparse_inputs_are_read() -> None:
+    # An additive mask of float16's lowest value overflows to -inf in float16, which the softmax
+    # takes in: the report says so, and points at the backward overflow that skips the step.
+    torch.manual_seed(0)
+    x = torch.randn(5, 8)
+    causal = torch.ones(5, 5, dtype=torch.float16).triu(1)
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+        h = x @ params["w"]
+        scores = h @ h.T - 30000.0 + causal * torch.finfo(torch.float16).min
+        return (scores.softmax(-1) @ h).square().mean() + extra.to_dense().sum()
+
+    params = {"w": torch.randn(8, 8)}
+    extra = torch.zeros(2, 3).to_sparse_csr()
+    scaler = fmp.StaticLossScale.create(2.0**40)
+    report = fmp.locate_nonfinite(loss_fn, params, x, extra, policy=FLOAT16, scaler=scaler)
+    assert report.forward is not None and report.forward.made == "inf" and report.loss == report.loss
+    assert report.backward is not None and not report.finite
+    text = str(report)
+    assert "did not reach the loss" in text and "the scaled backward pass overflowed" in text
+    assert "a float16 forward op overflowed" not in text
