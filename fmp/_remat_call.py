@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -116,7 +117,7 @@ class Call:
             # The record is never used: with plain autograd nothing of it is kept (torch.func refuses
             # saved-tensor hooks, and frees it when this run's level exits).
             dropped = contextlib.nullcontext() if self.leveled else saved_tensors_hooks(_drop, _never_used)
-            with torch.enable_grad(), dropped, watch:
+            with torch.enable_grad(), dropped, _no_autocast_cache(), watch:
                 out = self._run(leveled)
             out_leaves, self.out_spec = pytree.tree_flatten(out)
             for path, leaf in pytree.tree_flatten_with_path(out)[0]:
@@ -177,7 +178,7 @@ class Call:
         if not self.leveled:
             return self._plain_pullback(arguments, cotangents)
         argnums = tuple(n for n, differentiated in enumerate(self.differentiated) if differentiated)
-        with self.ambient.replayed():
+        with self.ambient.replayed(), _no_autocast_cache():
             # Everything goes in as an argument: torch.func lets a function update its arguments in
             # place, not the tensors it captures, and differentiates only those in argnums.
             outs, vjp_fn = _vjp_with_argnums(self._recomputed, *arguments, argnums=argnums)[:2]
@@ -203,7 +204,7 @@ class Call:
         ]
         given = iter(differentiated)
         arguments = tuple(next(given) if d else x for x, d in zip(arguments, self.differentiated, strict=True))
-        with torch.enable_grad(), self.ambient.replayed():
+        with torch.enable_grad(), self.ambient.replayed(), _no_autocast_cache():
             outs = self._recomputed(*arguments)
         kept = [c for c, keep in zip(cotangents, self.differentiable_outputs, strict=True) if keep]
         pairs = [(o, c) for o, c in zip(outs, kept, strict=True) if c is not None and o.requires_grad]
@@ -247,7 +248,26 @@ def _drop(_: torch.Tensor) -> None:
 
 
 def _never_used(_: None) -> torch.Tensor:
-    raise RuntimeError("fmp.remat: the first run's record was differentiated; only the recompute's may be")
+    raise RuntimeError(
+        "fmp.remat: a rematerialized block that differentiates inside its own forward (torch.autograd.grad "
+        "for a gradient penalty, say) is not supported; call that block without remat"
+    )
+
+
+@contextlib.contextmanager
+def _no_autocast_cache() -> Iterator[None]:
+    """torch.autocast without its cache of casts, for the blocks' runs.
+
+    The cache keeps the cast of every leaf that requires grad until the outermost autocast region
+    exits; each run's inputs are new leaves, so it would only grow. A cast gives the same values
+    either way.
+    """
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
 
 
 def _argument_name(path: tuple[Any, ...]) -> str:
