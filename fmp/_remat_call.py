@@ -102,17 +102,7 @@ class Call:
         where = [self.where[slot] for slot in self.slots]
         levels = self._enter_levels()
         try:
-            wrap = torch._C._functorch._wrap_for_grad
-            leveled = aliases
-            for entered in levels:  # an input at every level, so each lets the block update it in place
-                leveled = tuple(wrap(x, entered) for x in leveled)
-            allowed = torch._C._functorch.get_inplace_requires_grad_allowed()
-            torch._C._functorch.set_inplace_requires_grad_allowed(True)  # as torch.func marks its inputs
-            try:
-                for x, differentiated in zip(leveled, self.differentiated, strict=True):
-                    x.requires_grad_(differentiated)
-            finally:
-                torch._C._functorch.set_inplace_requires_grad_allowed(allowed)
+            leveled = self._marked(aliases, levels)
             watch = Watch(self.name, leveled, where, self.differentiated, self.jvp_levels)
             # The record is never used: with plain autograd nothing of it is kept (torch.func refuses
             # saved-tensor hooks, and frees it when this run's level exits).
@@ -160,6 +150,23 @@ class Call:
         while self.leveled and (not levels or levels[-1] <= self.outer_level):
             levels.append(torch._C._functorch._grad_increment_nesting())
         return levels
+
+    def _marked(self, aliases: tuple[torch.Tensor, ...], levels: list[int]) -> tuple[torch.Tensor, ...]:
+        """The inputs wrapped at every entered level, the differentiated ones requiring grad.
+
+        An input at every level, so that each lets the block update it in place; marked as
+        torch.func marks the inputs it differentiates.
+        """
+        for level in levels:
+            aliases = tuple(torch._C._functorch._wrap_for_grad(x, level) for x in aliases)
+        allowed = torch._C._functorch.get_inplace_requires_grad_allowed()
+        torch._C._functorch.set_inplace_requires_grad_allowed(True)
+        try:
+            for x, differentiated in zip(aliases, self.differentiated, strict=True):
+                x.requires_grad_(differentiated)
+        finally:
+            torch._C._functorch.set_inplace_requires_grad_allowed(allowed)
+        return aliases
 
     def _recomputed(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         outs = pytree.tree_leaves(self._run(inputs))
