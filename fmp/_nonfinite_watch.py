@@ -77,9 +77,15 @@ class Found(NamedTuple):
     largest_input: float
 
 
-def _found(op: str, node: str, module: nn.Module | None, inputs: list[Any], outputs: list[Any]) -> Found:
+def _found(
+    op: str, node: str, module: nn.Module | None, inputs: list[Any], outputs: list[Any], held: str, largest: float
+) -> Found:
+    """A `Found` for one call, from its inputs' `kinds` (`held`) and largest finite magnitude.
+
+    Both are read before the call runs: an in-place call's inputs are its outputs after.
+    """
     dtypes = tuple(x.dtype for x in inputs), tuple(x.dtype for x in outputs)
-    return Found(op, node, module, kinds(outputs), kinds(inputs), *dtypes, _largest_magnitude(inputs))
+    return Found(op, node, module, kinds(outputs), held, *dtypes, largest)
 
 
 class ModuleStack:
@@ -155,7 +161,7 @@ class ForwardWatch(TorchFunctionMode):
         inputs = floating((args, kwargs))
         # Read before the call, which may update its inputs in place.
         held = kinds(inputs)
-        snapshot = [x.detach().clone() for x in inputs] if self.found is None else []
+        largest = _largest_magnitude(inputs) if self.found is None else math.nan
         out = func(*args, **kwargs)
         outputs = floating(out)
         if not outputs:
@@ -166,7 +172,7 @@ class ForwardWatch(TorchFunctionMode):
             if x.grad_fn is not None:
                 self.labels.setdefault(x.grad_fn, label)
         if self.found is None and _new_kinds(held, made) and not _intends_nonfinite(args, kwargs):
-            self.found = _found(label.op, "", label.module, snapshot, outputs)
+            self.found = _found(label.op, "", label.module, inputs, outputs, held, largest)
         return out
 
 
@@ -201,8 +207,10 @@ class BackwardWatch:
             if self.found is not None or not label.forward_finite:
                 return
             incoming, made = floating(grad_outputs), floating(grad_inputs)
-            if made and _new_kinds(kinds(incoming), kinds(made)):
-                self.found = _found(label.op, node.name(), label.module, incoming, made)
+            held = kinds(incoming)
+            if made and _new_kinds(held, kinds(made)):
+                largest = _largest_magnitude(incoming)
+                self.found = _found(label.op, node.name(), label.module, incoming, made, held, largest)
 
         return hook
 

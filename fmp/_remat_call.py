@@ -1,4 +1,4 @@
-"""One call of a rematerialized function: its forward without a record, its recompute, its checks.
+"""One call of a rematerialized function: its first run, its recompute, its checks.
 
 Every tensor among the call's arguments is an input of the autograd.Function, so autograd saves
 it, checks it is not updated before the backward pass, and frees it with the node; torch.func
