@@ -88,20 +88,54 @@ def _found(
     return Found(op, node, module, kinds(outputs), held, *dtypes, largest)
 
 
+class _SavedBuffer(NamedTuple):
+    module: nn.Module
+    name: str
+    tensor: torch.Tensor
+    values: torch.Tensor
+
+
 class ModuleStack:
-    """The innermost module running on the calling thread, from global forward hooks."""
+    """The innermost module running on the calling thread, from global forward hooks.
+
+    It also copies the buffers of each module as it first runs, so that `restore_buffers` can
+    undo what the run did to them (running statistics updated in place, or a buffer replaced).
+    """
 
     def __init__(self) -> None:
         self.thread = threading.get_ident()
         self.running: list[nn.Module] = []
         self.roots: list[nn.Module] = []
+        self.seen: set[int] = set()
+        self.saved: list[_SavedBuffer] = []
 
     def _enter(self, module: nn.Module, *_: Any) -> None:
         if threading.get_ident() != self.thread:
             return
         if not self.running and all(root is not module for root in self.roots):
             self.roots.append(module)
+        if id(module) not in self.seen:
+            self.seen.add(id(module))
+            self.saved += [
+                _SavedBuffer(module, name, buffer, buffer.detach().clone())
+                for name, buffer in module._buffers.items()
+                # Wrapped buffers are swapped in under a transform inside the loss: inputs, not the module's.
+                if buffer is not None and not torch._C._functorch.is_functorch_wrapped_tensor(buffer)
+            ]
         self.running.append(module)
+
+    def restore_buffers(self, inputs: list[torch.Tensor]) -> None:
+        """Puts every saved buffer back: its values, and the tensor itself where the run replaced it.
+
+        A buffer that is one of `inputs` (handed to `torch.func.functional_call`, which puts the
+        module's own back when it returns) gets its values back only.
+        """
+        for module, name, tensor, values in self.saved:
+            if not torch.equal(tensor, values):  # left alone otherwise, its version counter too
+                with torch.no_grad():
+                    tensor.copy_(values)
+            if all(tensor is not x for x in inputs):
+                module._buffers[name] = tensor
 
     def _leave(self, module: nn.Module, *_: Any) -> None:
         if threading.get_ident() == self.thread and self.running and self.running[-1] is module:

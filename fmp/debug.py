@@ -194,10 +194,11 @@ def locate_nonfinite(
     the call and acting on this thread only.
 
     Nothing the caller holds is updated: params and scaler are read, tensors in `args` are
-    copied first (running statistics passed there do not move; buffers a module reads by itself
-    do), and random ops draw from torch's generators, whose states (CPU, and the CUDA devices of
-    the params and args) are restored after. To draw a step's dropout mask, seed them as they
-    were before that step.
+    copied first (running statistics passed there do not move), the buffers of every module that
+    runs are copied as it first runs and put back after (a train-mode BatchNorm's statistics,
+    a counter the module replaces), and random ops draw from torch's generators, whose states
+    (CPU, and the CUDA devices of the params and args) are restored after. To draw a step's
+    dropout mask, seed them as they were before that step.
 
     Note: syncs with the host after every op (it reads each output); eager only.
 
@@ -244,21 +245,25 @@ def locate_nonfinite(
     cuda = sorted({x.device.index or 0 for x in tensors if x.device.type == "cuda"})
     modules = ModuleStack()
     forward = ForwardWatch(modules)
+    leaves, spec = pytree.tree_flatten(tracked)
+    backward = None
     with torch.random.fork_rng(devices=cuda), calling_plainly(), torch.enable_grad():
-        with modules.hooked(), forward:
-            out = with_policy(loss_fn, policy)(tracked, *copied)
-        loss = _loss_of(out, has_aux)
-        check_reads_no_module_parameters(loss)
-        scaled = scaler.scale(loss)
-        leaves, spec = pytree.tree_flatten(tracked)
-        scaled_grads: tuple[torch.Tensor | None, ...] = (None,) * len(leaves)
-        backward = None
-        if scaled.requires_grad:
-            backward = BackwardWatch(scaled.grad_fn, forward.labels)
-            try:
-                scaled_grads = torch.autograd.grad(scaled, leaves, allow_unused=True)
-            finally:
-                backward.remove()
+        try:
+            with modules.hooked(), forward:
+                out = with_policy(loss_fn, policy)(tracked, *copied)
+            loss = _loss_of(out, has_aux)
+            check_reads_no_module_parameters(loss)
+            scaled = scaler.scale(loss)
+            scaled_grads: tuple[torch.Tensor | None, ...] = (None,) * len(leaves)
+            if scaled.requires_grad:
+                backward = BackwardWatch(scaled.grad_fn, forward.labels)
+                try:
+                    scaled_grads = torch.autograd.grad(scaled, leaves, allow_unused=True)
+                finally:
+                    backward.remove()
+        finally:
+            # After the backward pass, which may read the buffers as the forward saved them (eval-mode norms).
+            modules.restore_buffers(pytree.tree_leaves((tracked, copied)))
     grads = [torch.zeros_like(x) if g is None else g for g, x in zip(scaled_grads, leaves, strict=True)]
     unscaled = scaler.unscale(pytree.tree_unflatten(grads, spec))
     return NonFiniteReport(

@@ -207,6 +207,35 @@ def test_a_vmap_inside_the_loss_and_the_caller_state_are_left_alone() -> None:
     assert_trees_bitwise_equal((buffers, torch.get_rng_state()), before)
 
 
+class CountingNorm(nn.Module):
+    """A train-mode BatchNorm1d beside a counter that the forward replaces rather than updates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(8)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        return self.norm(x)
+
+
+def test_the_modules_own_buffers_are_put_back_after_the_forward_and_backward() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), CountingNorm(), nn.Linear(8, 8), nn.BatchNorm1d(8).eval(), nn.Linear(8, 1))
+    model[3].running_var.fill_(1e-9)  # the eval-mode norm (which its backward reads) blows up: inf in float16
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    buffers = dict(model.named_buffers())
+    before = {k: v.clone() for k, v in buffers.items()}
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    report = fmp.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16)
+    assert report.backward is not None and report.backward.module == "4" and not report.finite
+    # The same tensors, holding the same values: running statistics, batch count and counter.
+    assert all(model.get_buffer(k) is v for k, v in buffers.items())
+    assert_trees_bitwise_equal(dict(model.named_buffers()), before)
+    assert fmp.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16) == report
+
+
 def test_what_the_step_refuses_is_refused_here_too() -> None:
     model, params, x, y = mlp()
     with pytest.raises(ValueError, match=r"reads 6 nn\.Parameter"):
