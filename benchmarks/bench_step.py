@@ -7,7 +7,10 @@ prints the median time per step and its ratio to the torch.amp row with the same
   fp32                       plain float32 training, SGD
   torch.amp sgd              autocast + GradScaler + torch.optim.SGD
   torch.amp adamw(fused)     autocast + GradScaler + torch.optim.AdamW(fused=True)
-  fmp eager sgd              fmp.train_step, eager
+  fmp eager sgd / adamw      fmp.train_step, eager
+  fmp eager donated sgd / adamw
+                             eager with donate=True: the kept or updated values are written into
+                             the old params and optimizer state
   fmp compiled sgd           fmp.train_step under torch.compile(fullgraph=True)
   fmp donated sgd / adamw    the same with donate=True: the update is written into the old buffers
   fmp donated sgd +norm      donated, also reporting the gradients' global norm (grad_norm=True)
@@ -218,6 +221,9 @@ def contender_builders(setting: Setting, device: torch.device) -> dict[str, Call
         "torch.amp sgd": lambda: torch_contender(model(), setting, "sgd", amp=True),
         "torch.amp adamw(fused)": lambda: torch_contender(model(), setting, "adamw", amp=True),
         "fmp eager sgd": lambda: fmp_contender(model(), setting, "sgd", mode=None, donate=False),
+        "fmp eager donated sgd": lambda: fmp_contender(model(), setting, "sgd", mode=None, donate=True),
+        "fmp eager adamw": lambda: fmp_contender(model(), setting, "adamw", mode=None, donate=False),
+        "fmp eager donated adamw": lambda: fmp_contender(model(), setting, "adamw", mode=None, donate=True),
         "fmp compiled sgd": lambda: fmp_contender(model(), setting, "sgd", mode="default", donate=False),
         "fmp donated sgd": lambda: fmp_contender(model(), setting, "sgd", mode="default", donate=True),
         "fmp donated sgd +norm": lambda: fmp_contender(

@@ -8,6 +8,7 @@ and each row prints its share of the copy's bandwidth and its time relative to t
                        bandwidth of reading and writing them once, in torch's multi-tensor kernel
   torch kernels        torch._amp_foreach_non_finite_check_and_unscale_ + torch._amp_update_scale_
   fmp eager            fmp.unscale_and_adjust, op by op
+  fmp eager donated    the same with donate=True: multiplied in place, then checked (two passes)
   fmp fused            fmp.fused_unscale_and_adjust (torch.compile, fullgraph)
   fmp fused donated    the same with donate=True: the unscaled values overwrite the gradients
   fmp fused graph      the same replayed as a CUDA graph (GPU, cases under 4 GB)
@@ -96,6 +97,7 @@ def contenders(grads: Grads) -> dict[str, Callable[[], object]]:
     timed: dict[str, Callable[[], object]] = {
         "torch kernels": torch_kernels(grads),
         "fmp eager": lambda: fmp.unscale_and_adjust(scaler, grads),
+        "fmp eager donated": lambda: fmp.unscale_and_adjust(scaler, grads, donate=True),
         "fmp fused": lambda: fmp.fused_unscale_and_adjust(scaler, grads),
         # In place, as torch's kernel; the scale stays 1, so repeated calls keep the values.
         "fmp fused donated": lambda: fmp.fused_unscale_and_adjust(scaler, grads, donate=True),

@@ -27,12 +27,15 @@ import torch.utils._pytree as pytree
 
 from fmp._checks import check_bool
 from fmp._checks import check_real
+from fmp._donation import check_distinct
+from fmp._donation import donate_into
+from fmp._donation import donates_eagerly
 from fmp.loss_scale import LossScale
 from fmp.loss_scale import check_scaler
+from fmp.loss_scale import unscale_in_place
 from fmp.optim.clip import clip_tree_by_global_norm
 from fmp.tree import all_finite
 from fmp.tree import check_no_opaque_leaves
-from fmp.tree import donate_into
 from fmp.tree import tree_accelerator_device
 from fmp.tree import tree_device
 
@@ -72,9 +75,11 @@ def unscale_and_adjust(
     Args:
         scaler: The loss-scale state the gradients were computed with.
         scaled_grads: A pytree of gradients of the scaled loss.
-        donate: Whether the caller hands `scaled_grads` over: compiled, the unscaled values are then
+        donate: Whether the caller hands `scaled_grads` over: the unscaled values are then
             written into their buffers (as GradScaler's in-place kernel does) instead of new tensors,
-            which on CPU spares fresh pages and their faults. Eager, it changes nothing.
+            which on CPU spares fresh pages and their faults; eager, they are multiplied in place
+            (except under `torch.func` transforms, or where autograd records the gradients, which
+            get new tensors). Bit for bit the values without donation.
 
     Returns:
         `(grads, grads_finite, new_scaler)`: the unscaled gradients (each in its input dtype), a
@@ -86,11 +91,20 @@ def unscale_and_adjust(
             `donate`) a gradient tensor is listed twice.
     """
     _check_arguments(scaler, scaled_grads, donate)
-    grads = scaler.unscale(scaled_grads)
+    in_place = _unscales_in_place(scaled_grads, donate)
+    grads = unscale_in_place(scaler, scaled_grads) if in_place else scaler.unscale(scaled_grads)
     grads_finite = all_finite(grads)
     if donate:
         grads = donate_into(scaled_grads, grads, "scaled_grads")
     return grads, grads_finite, cast(ScaleT, scaler.adjust(grads_finite))
+
+
+def _unscales_in_place(scaled_grads: Any, donate: bool) -> bool:
+    """Whether an eager donated call writes its results into the gradients as it computes them."""
+    if not (donate and donates_eagerly(scaled_grads)):
+        return False
+    check_distinct(scaled_grads, "scaled_grads")  # before anything is written
+    return True
 
 
 # Gradients per combo kernel: Inductor's default of 8 gives 200 gradients 25 launches, where 64
@@ -171,9 +185,10 @@ def _unscale_clip_and_adjust(
     scaler: ScaleT, scaled_grads: Tree, max_norm: float, donate: bool
 ) -> tuple[Tree, torch.Tensor, torch.Tensor, ScaleT]:
     # No argument checks here: compiled, max_norm may be a symbolic float, which they cannot read.
-    grads = scaler.unscale(scaled_grads)
+    in_place = _unscales_in_place(scaled_grads, donate)
+    grads = unscale_in_place(scaler, scaled_grads) if in_place else scaler.unscale(scaled_grads)
     grads_finite = all_finite(grads)
-    clipped, grad_norm = clip_tree_by_global_norm(grads, max_norm)
+    clipped, grad_norm = clip_tree_by_global_norm(grads, max_norm, in_place=in_place)
     if donate:
         clipped = donate_into(scaled_grads, clipped, "scaled_grads")
     return clipped, grads_finite, grad_norm, cast(ScaleT, scaler.adjust(grads_finite))
@@ -206,7 +221,7 @@ def unscale_clip_and_adjust(
         scaled_grads: A pytree of gradients of the scaled loss.
         max_norm: The largest global norm let through, > 0 (`inf` clips nothing and only
             measures the norm, as with `clip_grad_norm_`).
-        donate: As `unscale_and_adjust`: compiled, the clipped values overwrite `scaled_grads`.
+        donate: As `unscale_and_adjust`: the clipped values overwrite `scaled_grads`.
 
     Returns:
         `(grads, grads_finite, grad_norm, new_scaler)`: the unscaled, clipped gradients, the finite

@@ -28,7 +28,7 @@ from fmp._struct import static_field
 from fmp.tree import check_finite_flag
 from fmp.tree import is_inexact_tensor
 
-__all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale", "check_scaler"]
+__all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale", "check_scaler", "unscale_in_place"]
 
 Tree = TypeVar("Tree")
 
@@ -38,19 +38,22 @@ _GRAD_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interva
 _FMP_KEYS = ("overflow_streak", "min_scale", "max_scale", "hysteresis")
 
 
-def _multiply_leaves(tree: Tree, factor: torch.Tensor, *, keep_dtype: bool) -> Tree:
+def _multiply_leaves(tree: Tree, factor: torch.Tensor, *, keep_dtype: bool, in_place: bool = False) -> Tree:
     """Multiplies the floating and complex leaves of `tree` by the 0-dim float32 `factor`.
 
     The product is formed in at least float32 (as GradScaler's kernels do), so a float16 leaf is
     neither flushed by a tiny factor nor overflowed by a large one before rounding back. The result
     keeps each leaf's dtype with `keep_dtype`, else follows torch's type promotion (a 0-dim float16
-    loss times the float32 scale is float32, as in GradScaler.scale).
+    loss times the float32 scale is float32, as in GradScaler.scale). With `in_place` (and
+    `keep_dtype`) the products are written into the leaves, rounded alike.
     """
 
     def multiply(x: Any) -> Any:
         if not is_inexact_tensor(x):
             return x
         compute_dtype = torch.promote_types(x.dtype, factor.dtype)
+        if in_place:
+            return x.mul_(factor) if compute_dtype == x.dtype else x.copy_(x.to(compute_dtype) * factor)
         # torch.result_type(x, factor), spelled so Dynamo can trace it: a 0-dim factor widens only a
         # 0-dim x (dimensioned tensors win type promotion within a category).
         out_dtype = x.dtype if keep_dtype or x.dim() > 0 else compute_dtype
@@ -76,10 +79,23 @@ class _TensorScale:
 
     def unscale(self, tree: Tree) -> Tree:
         """Multiplies floating leaves by 1/scale, keeping each leaf's dtype."""
-        # GradScaler forms 1/scale in double and rounds once to float32; doing the same keeps unscaled
-        # gradients bit-identical to torch's.
-        inverse = self.loss_scale.double().reciprocal().float()
-        return _multiply_leaves(tree, inverse, keep_dtype=True)
+        return _multiply_leaves(tree, _inverse(self.loss_scale), keep_dtype=True)
+
+
+def _inverse(loss_scale: torch.Tensor) -> torch.Tensor:
+    # GradScaler forms 1/scale in double and rounds once to float32; doing the same keeps unscaled
+    # gradients bit-identical to torch's.
+    return loss_scale.double().reciprocal().float()
+
+
+def unscale_in_place(scaler: LossScale, tree: Tree) -> Tree:
+    """`scaler.unscale(tree)` written into `tree`'s floating and complex tensors, for donated gradients.
+
+    Bit for bit `unscale`'s values. Returns `tree`.
+    """
+    if isinstance(scaler, NoOpLossScale):
+        return tree
+    return _multiply_leaves(tree, _inverse(scaler.loss_scale), keep_dtype=True, in_place=True)
 
 
 @pytree_dataclass

@@ -18,6 +18,10 @@ import torch.utils._pytree as pytree
 
 from fmp._checks import check_bool
 from fmp._checks import check_int
+from fmp._donation import check_distinct
+from fmp._donation import donate_into
+from fmp._donation import donates_eagerly
+from fmp._donation import select_into
 from fmp.accumulate import GradientAccumulator
 from fmp.grad import Gradients
 from fmp.grad import LossFn
@@ -33,7 +37,6 @@ from fmp.state import StepCounts
 from fmp.state import TrainState
 from fmp.state import check_optimizer
 from fmp.tree import check_finite_flag
-from fmp.tree import donate_into
 from fmp.tree import select_tree
 from fmp.tree import tree_device
 
@@ -140,11 +143,15 @@ def train_step(
     buffers), which saves the allocation, the page faults of fresh memory on CPU, and peak memory;
     with the state's tensors marked static (`torch._dynamo.mark_static_address`) the step replays
     as CUDA graphs under `mode="reduce-overhead"`. Params made with `v.detach()` share their
-    module's storage, so donating them updates the module too. Eager, `donate` changes nothing. The
-    values are those of the pure step: bit for bit in float32 compute, and in 16-bit compute when
-    Inductor rounds intermediates as eager does (`options={"emulate_precision_casts": True}`);
-    otherwise Inductor's fusions skip 16-bit roundings differently in the two graphs. Do not donate
-    under `torch.func` transforms (`grad`, `vmap`), which need the inputs intact. Every donated
+    module's storage, so donating them updates the module too. Eager, the step writes the new
+    params and optimizer state into the donated ones (the select that keeps a skipped step's
+    values writes in place), so they need no fresh memory; the scaler and counts come back new.
+    The values are those of the pure step: bit for bit eager, and compiled in float32 compute, or
+    in 16-bit compute when Inductor rounds intermediates as eager does
+    (`options={"emulate_precision_casts": True}`); otherwise Inductor's fusions skip 16-bit
+    roundings differently in the two graphs. Do not donate under `torch.func` transforms (`grad`,
+    `vmap`), which need the inputs intact (eager, a donated step there, or one that autograd
+    records, writes nothing in place). Every donated
     tensor must own its memory: one tensor listed twice raises, but two tensors that view one
     storage (tied weights taken as two `state_dict()` entries) cannot be told apart without reading
     addresses, which Dynamo does not trace; list tied weights once.
@@ -205,7 +212,11 @@ def train_step(
         raise TypeError(f"state.accumulator must be () or a GradientAccumulator, got {type(accumulator).__name__}")
     norm: torch.Tensor | tuple[()] = global_norm(grads).to(grads_finite.device) if grad_norm else ()
     updated = optimizer.update(grads, opt_state, params)
-    new_params, new_opt_state = select_tree(applied, updated, (params, opt_state))
+    if donate and donates_eagerly(updated, (params, opt_state)):
+        check_distinct(state, "state")  # before anything is written
+        new_params, new_opt_state = select_into(applied, updated, (params, opt_state))
+    else:
+        new_params, new_opt_state = select_tree(applied, updated, (params, opt_state))
     counts = state.counts.advance(stepped, applied, _stalled(scaler, step_per_loss))
     new_state = TrainState(new_params, new_opt_state, new_scaler, counts, accumulator)
     loss_scale = _loss_scale(scaler, grads_finite.device)

@@ -1,4 +1,4 @@
-"""Tree utilities that never read a tensor's value on the host: finiteness, selection, casting, donation."""
+"""Tree utilities that never read a tensor's value on the host: finiteness, selection, casting, stacking."""
 
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ __all__ = [
     "cast_floating",
     "check_finite_flag",
     "check_no_opaque_leaves",
-    "donate_into",
     "functorch_base",
     "is_floating_tensor",
     "is_inexact_tensor",
     "same_static_leaf",
     "select_tree",
+    "selectable_pairs",
     "stack_trees",
     "tree_accelerator_device",
     "tree_device",
@@ -197,57 +197,6 @@ def all_finite(tree: Any) -> torch.Tensor:
     return flags[0] if len(flags) == 1 else torch.stack(flags).all()
 
 
-def _check_distinct(pairs: list[tuple[Any, Any]], name: str) -> None:
-    """Raises a ValueError naming both leaves if one tensor is listed twice.
-
-    Leaves are compared with `is` within groups of equal shape, dtype and device (only those can be
-    one tensor): Dynamo traces `is` without a guard, where `id()` would guard on each tensor's
-    identity and recompile for every new set of tensors.
-    """
-    groups: dict[tuple[Any, ...], list[tuple[str, torch.Tensor]]] = {}
-    for path, leaf in pairs:
-        if not isinstance(leaf, torch.Tensor):
-            continue
-        where = f"{name}{pytree.keystr(path)}"
-        group = groups.setdefault((tuple(leaf.shape), leaf.dtype, leaf.device), [])
-        for other_where, other in group:
-            if other is leaf:
-                raise ValueError(
-                    f"donate=True needs distinct tensors, but {other_where} and {where} are one tensor "
-                    f"(tied weights listed twice?): the step would write two updates into one buffer"
-                )
-        group.append((where, leaf))
-
-
-def donate_into(donated: Tree, new: Tree, name: str) -> Tree:
-    """Writes `new` into the buffers of `donated` when compiling (buffer donation, as in `jax.jit`).
-
-    Under torch.compile the copy is no extra pass: Inductor stores the result straight into the
-    donated buffers, so nothing new is allocated. Eager, the fresh tensors of `new` are returned as
-    they are (a copy would only add work).
-
-    Args:
-        donated: The tree of tensors the caller hands over.
-        new: Its new values, of the same structure, shapes and dtypes.
-        name: What `donated` is called in error messages.
-
-    Returns:
-        A tree with `new`'s values: `donated`'s tensors when compiling, else `new` itself.
-
-    Raises:
-        ValueError: If `donated` lists one tensor twice (both leaves are named).
-    """
-    donated_pairs, spec = pytree.tree_flatten_with_path(donated)
-    _check_distinct(donated_pairs, name)
-    if not torch.compiler.is_compiling():
-        return new
-    written = [
-        old.copy_(value) if isinstance(old, torch.Tensor) else value
-        for (_, old), value in zip(donated_pairs, pytree.tree_leaves(new), strict=True)
-    ]
-    return cast(Tree, pytree.tree_unflatten(written, spec))
-
-
 def check_finite_flag(grads_finite: Any, name: str = "grads_finite") -> None:
     """Raises unless `grads_finite` is a 0-dim bool tensor (a static check: no host sync)."""
     if not isinstance(grads_finite, torch.Tensor):
@@ -286,12 +235,22 @@ def select_tree(pred: torch.Tensor, on_true: Tree, on_false: Tree) -> Tree:
     Raises:
         ValueError: If the two trees differ in structure, or a pair of leaves in shape or dtype.
     """
+    spec, pairs = selectable_pairs(pred, on_true, on_false)
+    selected = [torch.where(pred, a, b) if isinstance(a, torch.Tensor) else a for a, b in pairs]
+    return cast(Tree, pytree.tree_unflatten(selected, spec))
+
+
+def selectable_pairs(pred: torch.Tensor, on_true: Any, on_false: Any) -> tuple[pytree.TreeSpec, list[tuple[Any, Any]]]:
+    """Checks `select_tree`'s arguments; returns `on_true`'s spec and the two trees' leaves in pairs.
+
+    Raises:
+        ValueError: As `select_tree`.
+    """
     check_finite_flag(pred, name="pred")
     true_pairs, true_spec = pytree.tree_flatten_with_path(on_true)
     false_leaves, false_spec = pytree.tree_flatten(on_false)
     if true_spec != false_spec:
         raise ValueError(f"select_tree needs two trees of one structure, got {true_spec} and {false_spec}")
-    selected = []
     for (path, a), b in zip(true_pairs, false_leaves, strict=True):
         where = pytree.keystr(path)
         if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
@@ -299,15 +258,12 @@ def select_tree(pred: torch.Tensor, on_true: Tree, on_false: Tree) -> Tree:
         if not isinstance(a, torch.Tensor):
             if not same_static_leaf(a, b):
                 raise ValueError(f"select_tree: non-tensor leaf {where} differs: {a!r} vs {b!r}")
-            selected.append(a)
-            continue
-        if a.shape != b.shape or a.dtype != b.dtype:
+        elif a.shape != b.shape or a.dtype != b.dtype:
             raise ValueError(
                 f"select_tree: leaf {where} is {a.dtype}{list(a.shape)} on one side "
                 f"and {b.dtype}{list(b.shape)} on the other"
             )
-        selected.append(torch.where(pred, a, b))
-    return cast(Tree, pytree.tree_unflatten(selected, true_spec))
+    return true_spec, [(a, b) for (_, a), b in zip(true_pairs, false_leaves, strict=True)]
 
 
 def stack_trees(trees: list[Tree]) -> Tree:

@@ -18,7 +18,7 @@ import fmp
 
 def grads_and_params(dtype: torch.dtype, scale: float) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
-    shapes = {"w": (7, 5), "b": (5,), "v": (300,)}
+    shapes = {"w": (7, 5), "b": (5,), "v": (300,), "t": ()}  # "t": a 0-dim param (a temperature) keeps its dtype
     grads = {k: (torch.randn(s, generator=gen) * scale).to(dtype) for k, s in shapes.items()}
     params = {k: torch.randn(s, generator=gen).to(dtype) for k, s in shapes.items()}
     return grads, params
@@ -36,6 +36,18 @@ def test_matches_clip_grad_norm_then_sgd_bit_for_bit(dtype: torch.dtype, grad_sc
     torch.nn.utils.clip_grad_norm_(torch_params.values(), max_norm)
     torch.optim.SGD(torch_params.values(), lr=0.1).step()
     assert_trees_bitwise_equal(ours, {k: p.detach() for k, p in torch_params.items()})
+
+
+def test_every_gradient_keeps_its_dtype_a_0_dim_float16_one_too() -> None:
+    # float16 norms are taken in float32, so the factor is float32: a 0-dim float16 gradient times
+    # it would be promoted to float32, which the optimizer then refuses for a float16 param.
+    grads = {"w": torch.full((3,), 4.0, dtype=torch.float16), "t": torch.tensor(3.0, dtype=torch.float16)}
+    params = {k: torch.zeros_like(g) for k, g in grads.items()}
+    optimizer = fmp.optim.clip_by_global_norm(fmp.optim.sgd(1.0), 1.0)
+    new, _ = optimizer.update(grads, optimizer.init(params), params)
+    factor = 1.0 / (57.0**0.5 + 1e-6)  # the global norm is sqrt(3 * 16 + 9)
+    expected = {k: (-(g.float() * factor)).to(torch.float16) for k, g in grads.items()}
+    assert_trees_bitwise_equal(new, expected)
 
 
 def test_clipping_inside_a_step_sees_the_unscaled_gradients() -> None:

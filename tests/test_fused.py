@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -100,17 +101,35 @@ def test_donated_cpu_kernel_reads_each_gradient_in_one_loop() -> None:
     )
 
 
-def test_eager_donation_of_gradients_changes_nothing_and_checks_its_input() -> None:
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64, torch.complex64])
+@pytest.mark.parametrize("scale", [3.0, 2.0**16, 0.5])
+@pytest.mark.parametrize("clip", [False, True], ids=["unscale", "unscale-clip"])
+def test_eager_donation_unscales_in_place_bit_identically(dtype: torch.dtype, scale: float, clip: bool) -> None:
+    grads = sample_grads(dtype)
+    grads[1][0, 0] = torch.finfo(grads[1].real.dtype).max  # overflows on unscaling at 0.5
+    scaler = fmp.DynamicLossScale.create(init_scale=scale)
+    before = [g.clone() for g in grads]
+    function = functools.partial(fmp.unscale_clip_and_adjust, max_norm=1.0) if clip else fmp.unscale_and_adjust
+    pure = function(scaler, grads)
+    assert_trees_bitwise_equal(grads, before)  # the default stays pure
+    donated = function(scaler, grads, donate=True)
+    assert_trees_bitwise_equal(donated, pure)
+    assert all(ours is buffer for ours, buffer in zip(donated[0], grads, strict=True))
+    assert bool(donated[1]) is (scale != 0.5)
+
+
+def test_eager_donation_checks_its_input_and_writes_nothing_where_autograd_records() -> None:
     scaler, grads = fmp.DynamicLossScale.create(init_scale=3.0), sample_grads(torch.float16)
     before = [g.clone() for g in grads]
-    assert_trees_bitwise_equal(
-        fmp.unscale_and_adjust(scaler, grads, donate=True), fmp.unscale_and_adjust(scaler, grads)
-    )
-    assert_trees_bitwise_equal(grads, before)
     with pytest.raises(ValueError, match=r"scaled_grads\[0\] and scaled_grads\[1\] are one tensor"):
         fmp.unscale_and_adjust(scaler, [grads[0], grads[0]], donate=True)
+    assert_trees_bitwise_equal(grads, before)  # refused before anything was written
     with pytest.raises(TypeError, match="donate must be a bool"):
         fmp.unscale_and_adjust(scaler, grads, donate=1)  # type: ignore[arg-type]
+    tracked = [g.float().requires_grad_() for g in grads]
+    unscaled, _, _ = fmp.unscale_and_adjust(scaler, tracked, donate=True)
+    sum(g.sum() for g in unscaled).backward()
+    assert all(torch.equal(g.grad, torch.full_like(g, 1 / 3.0)) for g in tracked)
 
 
 def test_wrong_scalers_are_named() -> None:

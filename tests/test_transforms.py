@@ -117,15 +117,55 @@ def test_donated_compiled_step_reuses_the_buffers_bit_identically(compute: str, 
         assert_trees_bitwise_equal(donated, pure)
 
 
-def test_eager_donation_changes_nothing() -> None:
+def _state_buffers(state: fmp.TrainState) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves((state.params, state.opt_state)) if isinstance(t, torch.Tensor)]
+
+
+@pytest.mark.parametrize("compute", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+@pytest.mark.parametrize(
+    ("optimizer", "param_dtype"),
+    [
+        (fmp.optim.sgd(0.1, momentum=0.9), torch.float32),
+        (ADAMW, torch.float32),
+        (fmp.optim.stochastic_rounding(ADAMW, state_dtype=torch.bfloat16), torch.bfloat16),
+    ],
+    ids=["sgd-momentum", "adamw", "adamw-bfloat16-params"],
+)
+def test_eager_donation_writes_the_pure_steps_values_into_the_donated_buffers(
+    optimizer: fmp.optim.Optimizer, param_dtype: torch.dtype, compute: torch.dtype
+) -> None:
+    policy = fmp.Policy(param_dtype, compute, torch.float32)
+    params = pytree.tree_map(lambda p: p.to(param_dtype), mlp_params())
+    pure = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create(2.0**10))
+    donated = pytree.tree_map(torch.clone, pure)
+    for x, y in mlp_batches(6, overflow_every=3):
+        buffers, before = _state_buffers(donated), snapshot(pure)
+        new_pure, pure_info = fmp.train_step(mlp_loss, pure, x, y, policy=policy, optimizer=optimizer)
+        assert_unmutated(pure, before)  # the default stays pure
+        donated, info = fmp.train_step(mlp_loss, donated, x, y, policy=policy, optimizer=optimizer, donate=True)
+        assert all(new is old for new, old in zip(_state_buffers(donated), buffers, strict=True))
+        assert_trees_bitwise_equal((donated, info), (new_pure, pure_info))
+        pure = new_pure
+    assert int(donated.counts.skipped) == 2
+
+
+def test_eager_donation_under_transforms_or_autograd_writes_nothing() -> None:
     optimizer = fmp.optim.sgd(0.1, momentum=0.9)
-    state = fmp.TrainState.create(mlp_params(), optimizer, fmp.DynamicLossScale.create())
+    step = functools.partial(fmp.train_step, mlp_loss, policy=F32, optimizer=optimizer)
+    members = [fmp.TrainState.create(mlp_params(seed=s), optimizer, fmp.DynamicLossScale.create()) for s in (0, 1)]
+    stacked, (x, y) = fmp.stack_trees(members), next(mlp_batches(1, 0))
+    xs, ys, before = torch.stack([x, x]), torch.stack([y, y]), snapshot(stacked)
+    # vmap needs its inputs intact: the donated ensemble step leaves them so and equals the pure one.
+    donated = torch.func.vmap(functools.partial(step, donate=True))(stacked, xs, ys)
+    assert_unmutated(stacked, before)
+    assert_trees_bitwise_equal(donated, torch.func.vmap(step)(stacked, xs, ys))
+    # Autograd records the update (a meta-gradient through the step): written in place, it would be cut.
+    state, tracked = members[0], x.clone().requires_grad_()
     before = snapshot(state)
-    x, y = next(mlp_batches(1, 0))
-    donated, _ = fmp.train_step(mlp_loss, state, x, y, policy=BF16, optimizer=optimizer, donate=True)
-    pure, _ = fmp.train_step(mlp_loss, state, x, y, policy=BF16, optimizer=optimizer)
-    assert_trees_bitwise_equal(donated, pure)
+    new_state, _ = step(state, tracked, y, donate=True)
     assert_unmutated(state, before)
+    mlp_loss(new_state.params, x, y).backward()
+    assert tracked.grad is not None and bool(tracked.grad.abs().sum() > 0)
 
 
 def test_a_donated_state_whose_dicts_list_keys_in_another_order_is_written_key_by_key() -> None:

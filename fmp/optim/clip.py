@@ -55,7 +55,7 @@ def global_norm(tree: Any) -> torch.Tensor:
     return norm
 
 
-def clip_tree_by_global_norm(grads: Tree, max_norm: float) -> tuple[Tree, torch.Tensor]:
+def clip_tree_by_global_norm(grads: Tree, max_norm: float, *, in_place: bool = False) -> tuple[Tree, torch.Tensor]:
     """Clips a pytree as `clip_grad_norm_` does: every gradient times `min(max_norm / (norm + 1e-6), 1)`.
 
     The norm is `global_norm(grads)`. The factor is a 0-dim tensor, so nothing syncs with the host
@@ -64,6 +64,7 @@ def clip_tree_by_global_norm(grads: Tree, max_norm: float) -> tuple[Tree, torch.
     Args:
         grads: A pytree of gradients; leaves that are not floating or complex tensors pass through.
         max_norm: The largest global norm let through, checked by the caller.
+        in_place: Whether to write the clipped values into `grads`' tensors (donated gradients).
 
     Returns:
         `(clipped, norm)`: the clipped tree and the global norm before clipping (0-dim; 0 for a
@@ -71,7 +72,15 @@ def clip_tree_by_global_norm(grads: Tree, max_norm: float) -> tuple[Tree, torch.
     """
     norm = global_norm(grads)
     factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    clipped = pytree.tree_map(lambda g: g * factor.to(g.device) if is_inexact_tensor(g) else g, grads)
+
+    def clip(g: Any) -> Any:
+        if not is_inexact_tensor(g):
+            return g
+        # Each gradient keeps its dtype, as under clip_grad_norm_'s in-place multiply: a 0-dim
+        # float16 gradient times the float32 factor would otherwise be promoted to float32.
+        return g.mul_(factor.to(g.device)) if in_place else (g * factor.to(g.device)).to(g.dtype)
+
+    clipped = pytree.tree_map(clip, grads)
     return cast(Tree, clipped), norm
 
 

@@ -1,0 +1,116 @@
+"""Buffer donation, as `jax.jit`'s donate_argnums: results written into the tensors a caller hands over.
+
+Compiled, a donated call copies its results into the donated tensors and Inductor turns the copy
+into the store of the kernel that computes them (`donate_into`). Eager, a copy would be one more
+pass, so the eager forms write in place where they can: a skipped step's select goes straight into
+the donated buffers (`select_into`), whose pages are already mapped, instead of into fresh memory
+that the CPU allocator may have to fault in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import TypeVar
+from typing import cast
+
+import torch
+import torch.utils._pytree as pytree
+
+from fmp.tree import selectable_pairs
+
+__all__ = ["check_distinct", "donate_into", "donates_eagerly", "select_into"]
+
+Tree = TypeVar("Tree")
+
+
+def check_distinct(donated: Any, name: str) -> None:
+    """Raises a ValueError naming both leaves if `donated` lists one tensor twice.
+
+    Leaves are compared with `is` within groups of equal shape, dtype and device (only those can be
+    one tensor): Dynamo traces `is` without a guard, where `id()` would guard on each tensor's
+    identity and recompile for every new set of tensors.
+    """
+    groups: dict[tuple[Any, ...], list[tuple[str, torch.Tensor]]] = {}
+    for path, leaf in pytree.tree_flatten_with_path(donated)[0]:
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        where = f"{name}{pytree.keystr(path)}"
+        group = groups.setdefault((tuple(leaf.shape), leaf.dtype, leaf.device), [])
+        for other_where, other in group:
+            if other is leaf:
+                raise ValueError(
+                    f"donate=True needs distinct tensors, but {other_where} and {where} are one tensor "
+                    f"(tied weights listed twice?): the step would write two updates into one buffer"
+                )
+        group.append((where, leaf))
+
+
+def donates_eagerly(*trees: Any) -> bool:
+    """Whether a donated call writes into the donated tensors as it runs, eagerly.
+
+    Not under torch.compile, where `donate_into` does it; not under `torch.func` transforms, which
+    need their inputs intact; not where autograd records any of the tensors (a write in place would
+    cut its graph), nor for inference tensors outside inference mode, which refuse writes. There a
+    donated call returns new tensors, as a pure one does.
+
+    Args:
+        *trees: The donated trees and the new values to be written into them.
+    """
+    if torch.compiler.is_compiling() or torch._C._functorch.get_interpreter_stack():
+        return False
+    tensors = [x for x in pytree.tree_leaves(trees) if isinstance(x, torch.Tensor)]
+    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
+        return False
+    return torch.is_inference_mode_enabled() or not any(x.is_inference() for x in tensors)
+
+
+def select_into(pred: torch.Tensor, on_true: Tree, donated: Tree) -> Tree:
+    """`fmp.select_tree(pred, on_true, donated)`, written into `donated`'s tensors.
+
+    For eager calls where `donates_eagerly` holds, once `check_distinct` has passed on what the
+    caller donated: each tensor of `donated` receives the chosen values (`torch.where` with
+    `out=`, which reads each element before writing it), bit for bit `select_tree`'s.
+
+    Args:
+        pred: A 0-dim bool tensor.
+        on_true: The values picked where `pred` holds.
+        donated: The tree handed over, picked elsewhere and overwritten with the result.
+
+    Returns:
+        `donated`'s tensors (and its non-tensor leaves), in `on_true`'s structure.
+
+    Raises:
+        ValueError: As `select_tree`, before anything is written.
+    """
+    spec, pairs = selectable_pairs(pred, on_true, donated)
+    written = [torch.where(pred, a, b, out=b) if isinstance(a, torch.Tensor) else a for a, b in pairs]
+    return cast(Tree, pytree.tree_unflatten(written, spec))
+
+
+def donate_into(donated: Tree, new: Tree, name: str) -> Tree:
+    """Writes `new` into the buffers of `donated` when compiling.
+
+    Under torch.compile the copy is no extra pass: Inductor stores the result straight into the
+    donated buffers, so nothing new is allocated. Eager, the tensors of `new` are returned as they
+    are (a copy would only add work): eager callers write in place beforehand where they can.
+
+    Args:
+        donated: The tree of tensors the caller hands over.
+        new: Its new values, of the same structure, shapes and dtypes.
+        name: What `donated` is called in error messages.
+
+    Returns:
+        A tree with `new`'s values: `donated`'s tensors when compiling, else `new` itself.
+
+    Raises:
+        ValueError: If `donated` lists one tensor twice (both leaves are named).
+    """
+    check_distinct(donated, name)
+    if not torch.compiler.is_compiling():
+        return new
+    donated_leaves, spec = pytree.tree_flatten(donated)
+    written = [
+        old.copy_(value) if isinstance(old, torch.Tensor) else value
+        for old, value in zip(donated_leaves, pytree.tree_leaves(new), strict=True)
+    ]
+    return cast(Tree, pytree.tree_unflatten(written, spec))
