@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 
 from fmp.tree import selectable_pairs
 
-__all__ = ["check_distinct", "donate_into", "donates_eagerly", "select_into"]
+__all__ = ["check_distinct", "donate_into", "donates_eagerly", "select_into", "writable"]
 
 Tree = TypeVar("Tree")
 
@@ -64,12 +64,27 @@ def donates_eagerly(*trees: Any) -> bool:
     return torch.is_inference_mode_enabled() or not any(x.is_inference() for x in tensors)
 
 
+def writable(x: torch.Tensor) -> bool:
+    """Whether every element of `x` has memory of its own, so that `x` can take a result in place.
+
+    An expanded tensor (stride 0, as autograd returns the gradient of a `sum`) does not: torch
+    refuses to write into it.
+    """
+    return x.layout == torch.strided and torch._debug_has_internal_overlap(x) == 0
+
+
+def _storage(x: torch.Tensor) -> int:
+    return x.untyped_storage().data_ptr()
+
+
 def select_into(pred: torch.Tensor, on_true: Tree, donated: Tree) -> Tree:
     """`fmp.select_tree(pred, on_true, donated)`, written into `donated`'s tensors.
 
     For eager calls where `donates_eagerly` holds, once `check_distinct` has passed on what the
-    caller donated: each tensor of `donated` receives the chosen values (`torch.where` with
-    `out=`, which reads each element before writing it), bit for bit `select_tree`'s.
+    caller donated: each writable tensor of `donated` receives the chosen values (`torch.where`
+    with `out=`), bit for bit `select_tree`'s; one that is not (`writable`) is replaced by a new
+    tensor. A new value that is itself donated (an optimizer that keeps the previous params in its
+    state) or a view of a donated tensor is copied before anything is written.
 
     Args:
         pred: A 0-dim bool tensor.
@@ -77,13 +92,24 @@ def select_into(pred: torch.Tensor, on_true: Tree, donated: Tree) -> Tree:
         donated: The tree handed over, picked elsewhere and overwritten with the result.
 
     Returns:
-        `donated`'s tensors (and its non-tensor leaves), in `on_true`'s structure.
+        `donated`'s tensors (new ones where not writable, and its non-tensor leaves), in
+        `on_true`'s structure.
 
     Raises:
         ValueError: As `select_tree`, before anything is written.
     """
     spec, pairs = selectable_pairs(pred, on_true, donated)
-    written = [torch.where(pred, a, b, out=b) if isinstance(a, torch.Tensor) else a for a, b in pairs]
+    donated_storages = {_storage(b) for _, b in pairs if isinstance(b, torch.Tensor) and b.layout == torch.strided}
+
+    def read_before_writes(a: Any, b: Any) -> Any:
+        aliases = isinstance(a, torch.Tensor) and a is not b and a.layout == torch.strided
+        return a.clone() if aliases and _storage(a) in donated_storages else a
+
+    new_values = [read_before_writes(a, b) for a, b in pairs]
+    written = [
+        torch.where(pred, a, b, out=b if writable(b) else None) if isinstance(a, torch.Tensor) else a
+        for a, (_, b) in zip(new_values, pairs, strict=True)
+    ]
     return cast(Tree, pytree.tree_unflatten(written, spec))
 
 

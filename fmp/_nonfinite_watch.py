@@ -88,58 +88,86 @@ def _found(
     return Found(op, node, module, kinds(outputs), held, *dtypes, largest)
 
 
-class _SavedBuffer(NamedTuple):
-    module: nn.Module
-    name: str
-    tensor: torch.Tensor
-    values: torch.Tensor
+_ABSENT = object()  # a buffer name a module did not have
+
+
+class _BufferLog:
+    """What a run did to modules' buffers, to undo: values written in place, and buffers replaced.
+
+    Each buffer tensor is copied when a module holding it first enters. A module that replaces a
+    buffer in its forward (`self.count = self.count + 1`), or adds one, is seen by comparing its
+    buffers as it leaves with those it entered with; tensors that `torch.func.functional_call`
+    swaps in and out around a call are not the module's doing, and are left to it.
+    """
+
+    def __init__(self) -> None:
+        self.values: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.entered: list[dict[str, Any]] = []
+        self.replaced: list[tuple[nn.Module, str, Any, Any]] = []
+
+    def enter(self, module: nn.Module) -> None:
+        buffers = dict(module._buffers)
+        for tensor in buffers.values():
+            # Wrapped buffers are swapped in under a transform inside the loss, and die with it.
+            if (
+                isinstance(tensor, torch.Tensor)
+                and tensor.layout == torch.strided
+                and id(tensor) not in self.values
+                and not torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+            ):
+                self.values[id(tensor)] = (tensor, tensor.detach().clone())
+        self.entered.append(buffers)
+
+    def leave(self, module: nn.Module) -> None:
+        before, after = self.entered.pop(), module._buffers
+        for name in [*before, *(name for name in after if name not in before)]:
+            old, new = before.get(name, _ABSENT), after.get(name, _ABSENT)
+            if old is not new:
+                self.replaced.append((module, name, old, new))
+
+    def undo(self) -> None:
+        """Puts the values back, then the replaced buffers (where the replacement is still there)."""
+        for tensor, values in self.values.values():
+            if not torch.equal(tensor, values):  # left alone otherwise, its version counter too
+                with torch.no_grad():
+                    tensor.copy_(values)
+        for module, name, old, new in reversed(self.replaced):
+            if module._buffers.get(name, _ABSENT) is not new:
+                continue
+            if old is _ABSENT:
+                del module._buffers[name]
+            else:
+                module._buffers[name] = old
 
 
 class ModuleStack:
     """The innermost module running on the calling thread, from global forward hooks.
 
-    It also copies the buffers of each module as it first runs, so that `restore_buffers` can
-    undo what the run did to them (running statistics updated in place, or a buffer replaced).
+    It also logs what the run does to the running modules' buffers, for `restore_buffers`.
     """
 
     def __init__(self) -> None:
         self.thread = threading.get_ident()
         self.running: list[nn.Module] = []
         self.roots: list[nn.Module] = []
-        self.seen: set[int] = set()
-        self.saved: list[_SavedBuffer] = []
+        self.buffers = _BufferLog()
 
     def _enter(self, module: nn.Module, *_: Any) -> None:
         if threading.get_ident() != self.thread:
             return
         if not self.running and all(root is not module for root in self.roots):
             self.roots.append(module)
-        if id(module) not in self.seen:
-            self.seen.add(id(module))
-            self.saved += [
-                _SavedBuffer(module, name, buffer, buffer.detach().clone())
-                for name, buffer in module._buffers.items()
-                # Wrapped buffers are swapped in under a transform inside the loss: inputs, not the module's.
-                if buffer is not None and not torch._C._functorch.is_functorch_wrapped_tensor(buffer)
-            ]
+        self.buffers.enter(module)
         self.running.append(module)
-
-    def restore_buffers(self, inputs: list[torch.Tensor]) -> None:
-        """Puts every saved buffer back: its values, and the tensor itself where the run replaced it.
-
-        A buffer that is one of `inputs` (handed to `torch.func.functional_call`, which puts the
-        module's own back when it returns) gets its values back only.
-        """
-        for module, name, tensor, values in self.saved:
-            if not torch.equal(tensor, values):  # left alone otherwise, its version counter too
-                with torch.no_grad():
-                    tensor.copy_(values)
-            if all(tensor is not x for x in inputs):
-                module._buffers[name] = tensor
 
     def _leave(self, module: nn.Module, *_: Any) -> None:
         if threading.get_ident() == self.thread and self.running and self.running[-1] is module:
             self.running.pop()
+            self.buffers.leave(module)
+
+    def restore_buffers(self) -> None:
+        """Undoes what the run did to the buffers of the modules that ran: values and replacements."""
+        self.buffers.undo()
 
     def current(self) -> nn.Module | None:
         """The innermost module running, None outside any."""

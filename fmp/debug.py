@@ -194,9 +194,10 @@ def locate_nonfinite(
     the call and acting on this thread only.
 
     Nothing the caller holds is updated: params and scaler are read, tensors in `args` are
-    copied first (running statistics passed there do not move), the buffers of every module that
-    runs are copied as it first runs and put back after (a train-mode BatchNorm's statistics,
-    a counter the module replaces), and random ops draw from torch's generators, whose states
+    copied first (running statistics passed there do not move), what the run does to the buffers
+    of the modules that run is undone after (a train-mode BatchNorm's statistics are put back, a
+    buffer the forward replaces or adds is put back or removed), and random ops draw from torch's
+    generators, whose states
     (CPU, and the CUDA devices of the params and args) are restored after. To draw a step's
     dropout mask, seed them as they were before that step.
 
@@ -263,7 +264,7 @@ def locate_nonfinite(
                     backward.remove()
         finally:
             # After the backward pass, which may read the buffers as the forward saved them (eval-mode norms).
-            modules.restore_buffers(pytree.tree_leaves((tracked, copied)))
+            modules.restore_buffers()
     grads = [torch.zeros_like(x) if g is None else g for g, x in zip(scaled_grads, leaves, strict=True)]
     unscaled = scaler.unscale(pytree.tree_unflatten(grads, spec))
     return NonFiniteReport(

@@ -250,8 +250,8 @@ class GradientBuffer:
         One `fused_unscale_and_adjust(scaler, self.flat(), donate=True)`: a compiled pass over each
         buffer that writes the unscaled values back and checks them (the unscaled values, unlike
         GradScaler's kernel). Where the compiled function falls back to eager (past Dynamo's
-        recompile limit, with a warning), the results are copied into the buffers, so the
-        gradients are unscaled in place either way.
+        recompile limit, with a warning), the eager function unscales the buffers in place, so
+        the gradients are unscaled in place either way.
 
         Args:
             scaler: The loss-scale state the gradients were computed with.
@@ -312,8 +312,8 @@ class GradientBuffer:
         return buffers
 
     def _write_back(self, buffers: tuple[torch.Tensor, ...], results: tuple[torch.Tensor, ...]) -> None:
-        # Compiled, the results are the buffers (donated); where the compiled function fell back to
-        # eager they are new tensors.
+        # The results are the buffers (donated), compiled or eager, except where eager donation
+        # writes nothing (fmp._donation.donates_eagerly: under a torch.func transform, say).
         for buffer, values in zip(buffers, results, strict=True):
             if values.data_ptr() != buffer.data_ptr():
                 buffer.copy_(values)

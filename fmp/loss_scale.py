@@ -17,6 +17,7 @@ import torch.utils._pytree as pytree
 
 from fmp._checks import check_int
 from fmp._checks import check_real
+from fmp._donation import writable
 from fmp._scale_values import FLOAT32_MAX
 from fmp._scale_values import FLOAT32_TINY
 from fmp._scale_values import checked_scale
@@ -45,14 +46,14 @@ def _multiply_leaves(tree: Tree, factor: torch.Tensor, *, keep_dtype: bool, in_p
     neither flushed by a tiny factor nor overflowed by a large one before rounding back. The result
     keeps each leaf's dtype with `keep_dtype`, else follows torch's type promotion (a 0-dim float16
     loss times the float32 scale is float32, as in GradScaler.scale). With `in_place` (and
-    `keep_dtype`) the products are written into the leaves, rounded alike.
+    `keep_dtype`) the products are written into the leaves that are `writable`, rounded alike.
     """
 
     def multiply(x: Any) -> Any:
         if not is_inexact_tensor(x):
             return x
         compute_dtype = torch.promote_types(x.dtype, factor.dtype)
-        if in_place:
+        if in_place and writable(x):
             return x.mul_(factor) if compute_dtype == x.dtype else x.copy_(x.to(compute_dtype) * factor)
         # torch.result_type(x, factor), spelled so Dynamo can trace it: a 0-dim factor widens only a
         # 0-dim x (dimensioned tensors win type promotion within a category).
@@ -91,7 +92,8 @@ def _inverse(loss_scale: torch.Tensor) -> torch.Tensor:
 def unscale_in_place(scaler: LossScale, tree: Tree) -> Tree:
     """`scaler.unscale(tree)` written into `tree`'s floating and complex tensors, for donated gradients.
 
-    Bit for bit `unscale`'s values. Returns `tree`.
+    Bit for bit `unscale`'s values. Returns `tree`, with new tensors for the leaves that are not
+    `writable` (expanded ones).
     """
     if isinstance(scaler, NoOpLossScale):
         return tree

@@ -137,24 +137,25 @@ def train_step(
     once for a bad window. Every call computes the optimizer's update and keeps it only at a
     window's end (branch-free).
 
-    Donation, as `jax.jit`'s `donate_argnums`: with `donate=True` the caller hands over `state`
-    and must not read it after the call. Under `torch.compile` the step then writes the new values
-    into its buffers instead of allocating new ones (the returned state lives in the same
-    buffers), which saves the allocation, the page faults of fresh memory on CPU, and peak memory;
-    with the state's tensors marked static (`torch._dynamo.mark_static_address`) the step replays
-    as CUDA graphs under `mode="reduce-overhead"`. Params made with `v.detach()` share their
-    module's storage, so donating them updates the module too. Eager, the step writes the new
-    params and optimizer state into the donated ones (the select that keeps a skipped step's
-    values writes in place), so they need no fresh memory; the scaler and counts come back new.
-    The values are those of the pure step: bit for bit eager, and compiled in float32 compute, or
-    in 16-bit compute when Inductor rounds intermediates as eager does
-    (`options={"emulate_precision_casts": True}`); otherwise Inductor's fusions skip 16-bit
-    roundings differently in the two graphs. Do not donate under `torch.func` transforms (`grad`,
-    `vmap`), which need the inputs intact (eager, a donated step there, or one that autograd
-    records, writes nothing in place). Every donated
-    tensor must own its memory: one tensor listed twice raises, but two tensors that view one
-    storage (tied weights taken as two `state_dict()` entries) cannot be told apart without reading
-    addresses, which Dynamo does not trace; list tied weights once.
+    Donation, as `jax.jit`'s `donate_argnums`: with `donate=True` the caller hands over `state` and
+    must not read it after the call (nor an `aux` that returns the state's own tensors). Under
+    `torch.compile` the step then writes the new values into its buffers instead of allocating new
+    ones (the returned state lives in the same buffers), which saves the allocation, the page faults
+    of fresh memory on CPU, and peak memory; with the state's tensors marked static
+    (`torch._dynamo.mark_static_address`) the step replays as CUDA graphs under
+    `mode="reduce-overhead"`. Params made with `v.detach()` share their module's storage, so
+    donating them updates the module too. Eager, the step writes the new params and optimizer state
+    into the donated ones (the select that keeps a skipped step's values writes in place), so they
+    need no fresh memory; the scaler and counts come back new, as does an expanded (stride 0)
+    tensor, which has no memory for its values. The values are those of the pure step: bit for bit
+    eager, and compiled in float32 compute, or in 16-bit compute when Inductor rounds intermediates
+    as eager does (`options={"emulate_precision_casts": True}`); otherwise Inductor's fusions skip
+    16-bit roundings differently in the two graphs. Do not donate under `torch.func` transforms
+    (`grad`, `vmap`), which need the inputs intact (eager, a donated step there, or one that
+    autograd records, writes nothing in place). Every donated tensor must own its memory: one tensor
+    listed twice raises, but two tensors that view one storage (tied weights taken as two
+    `state_dict()` entries) cannot be told apart without reading addresses, which Dynamo does not
+    trace; list tied weights once.
 
     Args:
         loss_fn: `loss_fn(params, *args) -> loss`, or `-> (loss, aux)` with `has_aux`; loss 0-dim,

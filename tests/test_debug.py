@@ -236,6 +236,44 @@ def test_the_modules_own_buffers_are_put_back_after_the_forward_and_backward() -
     assert fmp.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16) == report
 
 
+class Lazy(nn.Module):
+    """Adds a buffer in its first forward and sets one that was None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 1)
+        self.register_buffer("scale", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "cache"):
+            self.register_buffer("cache", x.detach().mean(0))
+        if self.scale is None:
+            self.scale = torch.ones(())
+        return self.linear(x) * self.scale
+
+
+def test_buffers_swapped_in_added_or_read_outside_functional_call_are_undone() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), Lazy())
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    own = dict(model.named_buffers())
+    before = {k: v.clone() for k, v in own.items()}
+
+    def loss_fn(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        # The README's way (buffers as an argument, which this policy casts to bfloat16), then the
+        # module with its own statistics, in float32, reading and updating them.
+        swapped = torch.func.functional_call(model, {**params, **buffers}, (x,))
+        in_float32 = {k: v.float() for k, v in params.items()}
+        return swapped.float().square().mean() + torch.func.functional_call(model, in_float32, (x.float(),)).mean()
+
+    policy = fmp.get_policy("params=float32,compute=bfloat16,output=float32,rules=none")
+    report = fmp.locate_nonfinite(loss_fn, params, own, torch.randn(4, 8), policy=policy)
+    assert report.finite
+    assert dict(model.named_buffers()).keys() == own.keys() and model[2].scale is None
+    assert all(model.get_buffer(k) is v for k, v in own.items())
+    assert_trees_bitwise_equal(dict(model.named_buffers()), before)
+
+
 def test_what_the_step_refuses_is_refused_here_too() -> None:
     model, params, x, y = mlp()
     with pytest.raises(ValueError, match=r"reads 6 nn\.Parameter"):

@@ -118,6 +118,21 @@ def test_eager_donation_unscales_in_place_bit_identically(dtype: torch.dtype, sc
     assert bool(donated[1]) is (scale != 0.5)
 
 
+@pytest.mark.parametrize("clip", [False, True], ids=["unscale", "unscale-clip"])
+def test_eager_donation_gives_expanded_gradients_new_tensors(clip: bool) -> None:
+    # Autograd returns the gradient of a sum expanded (stride 0): no memory to write each value into.
+    weight = torch.randn(4, 3, requires_grad=True)
+    (expanded,) = torch.autograd.grad(weight.sum() * 2.0**16, weight)
+    grads = {"expanded": expanded, "own": torch.full((5,), 2.0**16)}
+    scaler = fmp.DynamicLossScale.create()
+    function = functools.partial(fmp.unscale_clip_and_adjust, max_norm=1.0) if clip else fmp.unscale_and_adjust
+    pure = function(scaler, grads)
+    own = grads["own"]
+    donated = function(scaler, grads, donate=True)
+    assert_trees_bitwise_equal(donated, pure)
+    assert donated[0]["own"] is own and expanded.stride() == (0, 0)
+
+
 def test_eager_donation_checks_its_input_and_writes_nothing_where_autograd_records() -> None:
     scaler, grads = fmp.DynamicLossScale.create(init_scale=3.0), sample_grads(torch.float16)
     before = [g.clone() for g in grads]

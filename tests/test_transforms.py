@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from typing import Any
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -147,6 +148,39 @@ def test_eager_donation_writes_the_pure_steps_values_into_the_donated_buffers(
         assert_trees_bitwise_equal((donated, info), (new_pure, pure_info))
         pure = new_pure
     assert int(donated.counts.skipped) == 2
+
+
+class PreviousParams(NamedTuple):
+    previous: dict[str, torch.Tensor]
+
+
+def keeps_previous_params(lr: float) -> fmp.optim.Optimizer:
+    """SGD whose state holds the params it was handed, the tensors themselves (as a pure optimizer may)."""
+
+    def init(params: dict[str, torch.Tensor]) -> PreviousParams:
+        return PreviousParams({k: v.clone() for k, v in params.items()})
+
+    def update(grads: Any, state: PreviousParams, params: Any) -> tuple[Any, PreviousParams]:
+        return {k: p - lr * grads[k] for k, p in params.items()}, PreviousParams(dict(params))
+
+    return fmp.optim.Optimizer(init, update)
+
+
+def test_eager_donation_reads_donated_tensors_handed_back_and_replaces_expanded_ones() -> None:
+    optimizer = keeps_previous_params(0.1)
+
+    def state() -> fmp.TrainState:
+        params = mlp_params()
+        params["b1"] = torch.zeros(1).expand(8)  # stride 0: no memory to write eight values into
+        return fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create(2.0**10))
+
+    pure, donated = state(), state()
+    for x, y in mlp_batches(4, overflow_every=2):
+        buffers = {k: t for k, t in donated.params.items() if k != "b1"}
+        pure, _ = fmp.train_step(mlp_loss, pure, x, y, policy=F32, optimizer=optimizer)
+        donated, _ = fmp.train_step(mlp_loss, donated, x, y, policy=F32, optimizer=optimizer, donate=True)
+        assert_trees_bitwise_equal(donated, pure)
+        assert all(donated.params[k] is t for k, t in buffers.items())
 
 
 def test_eager_donation_under_transforms_or_autograd_writes_nothing() -> None:

@@ -11,6 +11,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fmp._checks import check_real
+from fmp._donation import writable
 from fmp.optim._base import Optimizer
 from fmp.tree import check_no_opaque_leaves
 from fmp.tree import is_inexact_tensor
@@ -64,7 +65,8 @@ def clip_tree_by_global_norm(grads: Tree, max_norm: float, *, in_place: bool = F
     Args:
         grads: A pytree of gradients; leaves that are not floating or complex tensors pass through.
         max_norm: The largest global norm let through, checked by the caller.
-        in_place: Whether to write the clipped values into `grads`' tensors (donated gradients).
+        in_place: Whether to write the clipped values into `grads`' tensors (donated gradients)
+            where they are `writable`.
 
     Returns:
         `(clipped, norm)`: the clipped tree and the global norm before clipping (0-dim; 0 for a
@@ -78,7 +80,7 @@ def clip_tree_by_global_norm(grads: Tree, max_norm: float, *, in_place: bool = F
             return g
         # Each gradient keeps its dtype, as under clip_grad_norm_'s in-place multiply: a 0-dim
         # float16 gradient times the float32 factor would otherwise be promoted to float32.
-        return g.mul_(factor.to(g.device)) if in_place else (g * factor.to(g.device)).to(g.dtype)
+        return g.mul_(factor.to(g.device)) if in_place and writable(g) else (g * factor.to(g.device)).to(g.dtype)
 
     clipped = pytree.tree_map(clip, grads)
     return cast(Tree, clipped), norm
