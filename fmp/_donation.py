@@ -65,12 +65,15 @@ def donates_eagerly(*trees: Any) -> bool:
 
 
 def writable(x: torch.Tensor) -> bool:
-    """Whether every element of `x` has memory of its own, so that `x` can take a result in place.
+    """Whether `x` can take a result in place: a strided tensor that is not expanded.
 
-    An expanded tensor (stride 0, as autograd returns the gradient of a `sum`) does not: torch
-    refuses to write into it.
+    An expanded tensor (stride 0 along a dimension longer than 1, as autograd returns the gradient
+    of a `sum`) has no memory for each of its values, and torch refuses to write into it. Read from
+    sizes and strides, so Dynamo traces it.
     """
-    return x.layout == torch.strided and torch._debug_has_internal_overlap(x) == 0
+    return x.layout == torch.strided and not any(
+        stride == 0 and size > 1 for stride, size in zip(x.stride(), x.shape, strict=True)
+    )
 
 
 def _storage(x: torch.Tensor) -> int:
@@ -126,7 +129,8 @@ def donate_into(donated: Tree, new: Tree, name: str) -> Tree:
         name: What `donated` is called in error messages.
 
     Returns:
-        A tree with `new`'s values: `donated`'s tensors when compiling, else `new` itself.
+        A tree with `new`'s values: `donated`'s tensors when compiling (`new`'s where a donated
+        tensor is not `writable`), else `new` itself.
 
     Raises:
         ValueError: If `donated` lists one tensor twice (both leaves are named).
@@ -136,7 +140,7 @@ def donate_into(donated: Tree, new: Tree, name: str) -> Tree:
         return new
     donated_leaves, spec = pytree.tree_flatten(donated)
     written = [
-        old.copy_(value) if isinstance(old, torch.Tensor) else value
+        old.copy_(value) if isinstance(old, torch.Tensor) and writable(old) else value
         for old, value in zip(donated_leaves, pytree.tree_leaves(new), strict=True)
     ]
     return cast(Tree, pytree.tree_unflatten(written, spec))

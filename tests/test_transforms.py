@@ -166,21 +166,37 @@ def keeps_previous_params(lr: float) -> fmp.optim.Optimizer:
     return fmp.optim.Optimizer(init, update)
 
 
+def expanded_bias_state(optimizer: fmp.optim.Optimizer) -> fmp.TrainState:
+    params = mlp_params()
+    params["b1"] = torch.zeros(1).expand(8)  # stride 0: no memory to write eight values into
+    return fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create(2.0**10))
+
+
 def test_eager_donation_reads_donated_tensors_handed_back_and_replaces_expanded_ones() -> None:
     optimizer = keeps_previous_params(0.1)
-
-    def state() -> fmp.TrainState:
-        params = mlp_params()
-        params["b1"] = torch.zeros(1).expand(8)  # stride 0: no memory to write eight values into
-        return fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create(2.0**10))
-
-    pure, donated = state(), state()
+    pure, donated = expanded_bias_state(optimizer), expanded_bias_state(optimizer)
     for x, y in mlp_batches(4, overflow_every=2):
         buffers = {k: t for k, t in donated.params.items() if k != "b1"}
         pure, _ = fmp.train_step(mlp_loss, pure, x, y, policy=F32, optimizer=optimizer)
         donated, _ = fmp.train_step(mlp_loss, donated, x, y, policy=F32, optimizer=optimizer, donate=True)
         assert_trees_bitwise_equal(donated, pure)
         assert all(donated.params[k] is t for k, t in buffers.items())
+
+
+@pytest.mark.compiled
+def test_compiled_donation_replaces_expanded_tensors() -> None:
+    optimizer = keeps_previous_params(0.1)
+    pure, compiled = expanded_bias_state(optimizer), expanded_bias_state(optimizer)
+    # Functionalized as Inductor's input is (aot_eager), without generating code.
+    step = torch.compile(
+        functools.partial(fmp.train_step, mlp_loss, policy=F32, optimizer=optimizer, donate=True),
+        backend="aot_eager",
+        fullgraph=True,
+    )
+    for x, y in mlp_batches(4, overflow_every=2):
+        pure, _ = fmp.train_step(mlp_loss, pure, x, y, policy=F32, optimizer=optimizer)
+        compiled, _ = step(compiled, x, y)
+        assert_trees_bitwise_equal(compiled, pure)
 
 
 def test_eager_donation_under_transforms_or_autograd_writes_nothing() -> None:
