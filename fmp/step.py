@@ -145,17 +145,17 @@ def train_step(
     (`torch._dynamo.mark_static_address`) the step replays as CUDA graphs under
     `mode="reduce-overhead"`. Params made with `v.detach()` share their module's storage, so
     donating them updates the module too. Eager, the step writes the new params and optimizer state
-    into the donated ones (the select that keeps a skipped step's values writes in place), so they
-    need no fresh memory; the scaler and counts come back new, as does an expanded (stride 0)
-    tensor, which has no memory for its values. The values are those of the pure step: bit for bit
-    eager, and compiled in float32 compute, or in 16-bit compute when Inductor rounds intermediates
-    as eager does (`options={"emulate_precision_casts": True}`); otherwise Inductor's fusions skip
-    16-bit roundings differently in the two graphs. Do not donate under `torch.func` transforms
-    (`grad`, `vmap`), which need the inputs intact (eager, a donated step there, or one that
-    autograd records, writes nothing in place). Every donated tensor must own its memory: one tensor
-    listed twice raises, but two tensors that view one storage (tied weights taken as two
-    `state_dict()` entries) cannot be told apart without reading addresses, which Dynamo does not
-    trace; list tied weights once.
+    into the donated ones (the select that keeps a skipped step's values writes in place), and the
+    accumulator's sums into theirs, so they need no fresh memory; the scaler and counts come back
+    new, as does an expanded (stride 0) tensor, which has no memory for its values. The values are
+    those of the pure step: bit for bit eager, and compiled in float32 compute, or in 16-bit compute
+    when Inductor rounds intermediates as eager does (`options={"emulate_precision_casts": True}`);
+    otherwise Inductor's fusions skip 16-bit roundings differently in the two graphs. Do not donate
+    under `torch.func` transforms (`grad`, `vmap`), which need the inputs intact (eager, a donated
+    step there, or one that autograd records, writes nothing in place). Every donated tensor must
+    own its memory: one tensor listed twice raises, but two tensors that view one storage (tied
+    weights taken as two `state_dict()` entries) cannot be told apart without reading addresses,
+    which Dynamo does not trace; list tied weights once.
 
     Args:
         loss_fn: `loss_fn(params, *args) -> loss`, or `-> (loss, aux)` with `has_aux`; loss 0-dim,
@@ -189,6 +189,8 @@ def train_step(
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be an fmp.TrainState (TrainState.create(...)), got {type(state).__name__}")
     check_optimizer(optimizer)
+    if donate:
+        check_distinct(state, "state")  # before anything is written
     params, opt_state, scaler = state.params, state.opt_state, state.scaler
     gradients = mixed_precision_grad(loss_fn, params, scaler, *args, policy=policy, has_aux=has_aux)
     if reduce_grads is not None:
@@ -201,7 +203,7 @@ def train_step(
     grads, grads_finite, loss, aux, finite_per_loss = gradients
     accumulator = state.accumulator
     if isinstance(accumulator, GradientAccumulator):
-        window = accumulator.add(grads, grads_finite, finite_per_loss)
+        window = accumulator.add(grads, grads_finite, finite_per_loss, donate=donate)
         stepped, grads, window_finite, step_per_loss, accumulator = window
         applied = stepped & window_finite
         # The scale stays fixed inside a window and adjusts once, by the whole window's flags.
@@ -214,7 +216,6 @@ def train_step(
     norm: torch.Tensor | tuple[()] = global_norm(grads).to(grads_finite.device) if grad_norm else ()
     updated = optimizer.update(grads, opt_state, params)
     if donate and donates_eagerly(updated, (params, opt_state)):
-        check_distinct(state, "state")  # before anything is written
         new_params, new_opt_state = select_into(applied, updated, (params, opt_state))
     else:
         new_params, new_opt_state = select_tree(applied, updated, (params, opt_state))
