@@ -65,14 +65,24 @@ def donates_eagerly(*trees: Any) -> bool:
 
 
 def writable(x: torch.Tensor) -> bool:
-    """Whether `x` can take a result in place: a strided tensor that is not expanded.
+    """Whether `x` can take a result in place: a strided tensor whose elements never share memory.
 
-    An expanded tensor (stride 0 along a dimension longer than 1, as autograd returns the gradient
-    of a `sum`) has no memory for each of its values, and torch refuses to write into it. Read from
-    sizes and strides, so Dynamo traces it.
+    Taken from sizes and strides, without sorting them (Dynamo cannot sort symbolic ones): each
+    dimension's stride must step past everything the dimensions of smaller or equal stride
+    reach. An expanded tensor (stride 0, as autograd returns the gradient of a `sum`) or an
+    overlapping `as_strided` view is not writable (torch would refuse the first and write the
+    second element by element, the last write winning); nor, conservatively, is a layout that
+    interleaves dimensions without overlapping.
     """
-    return x.layout == torch.strided and not any(
-        stride == 0 and size > 1 for stride, size in zip(x.stride(), x.shape, strict=True)
+    if x.layout != torch.strided:
+        return False
+    if any(size == 0 for size in x.shape):
+        return True
+    dims = [(stride, size) for stride, size in zip(x.stride(), x.shape, strict=True) if size > 1]
+    return all(
+        stride
+        > sum((other_size - 1) * other for j, (other, other_size) in enumerate(dims) if j != i and other <= stride)
+        for i, (stride, _) in enumerate(dims)
     )
 
 

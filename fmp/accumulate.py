@@ -15,8 +15,6 @@ import torch
 import torch.utils._pytree as pytree
 
 from fmp._checks import check_int
-from fmp._donation import donates_eagerly
-from fmp._donation import writable
 from fmp._struct import pytree_dataclass
 from fmp._struct import replace
 from fmp._struct import static_field
@@ -121,18 +119,13 @@ class GradientAccumulator:
                     f"{tuple(total.shape)}: was the accumulator made for other params?"
                 )
 
-    def add(
-        self, grads: Any, grads_finite: torch.Tensor, finite_per_loss: Any, *, donate: bool = False
-    ) -> AccumulatedGradients:
+    def add(self, grads: Any, grads_finite: torch.Tensor, finite_per_loss: Any) -> AccumulatedGradients:
         """Adds one micro-batch's unscaled gradients; branch-free.
 
         Args:
             grads: The micro-batch's unscaled gradients, in the parameters' dtypes.
             grads_finite: Whether they are all finite.
             finite_per_loss: The same per loss-scale state.
-            donate: Whether the caller hands this accumulator over: eager, the sums are then
-                written into its buffers (as `train_step(..., donate=True)` does with the state);
-                compiled, `train_step`'s donation copies them there.
 
         Returns:
             The window's mean and flags, and the accumulator for the next micro-batch.
@@ -152,17 +145,7 @@ class GradientAccumulator:
         for index, flag in enumerate(pytree.tree_leaves(finite_per_loss)):
             check_finite_flag(flag, f"finite_per_loss[{index}]")
         self._check_like_sums(grads)
-        in_place = donate and donates_eagerly(self.grads, grads)
-
-        def add_to(total: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-            return total.add_(g.to(total.dtype)) if in_place and writable(total) else total + g.to(total.dtype)
-
-        def reset_sum(total: torch.Tensor) -> torch.Tensor:
-            if in_place and writable(total):
-                return total.masked_fill_(window_ends, 0.0)
-            return torch.where(window_ends, 0.0, total)
-
-        sums = pytree.tree_map(add_to, self.grads, grads)
+        sums = pytree.tree_map(lambda total, g: total + g.to(total.dtype), self.grads, grads)
         micro_batches_finite = self.grads_finite & grads_finite
         window_finite = micro_batches_finite & all_finite(sums)
         # Finite micro-batches can overflow when added; then no loss is to blame alone (as for the
@@ -177,7 +160,7 @@ class GradientAccumulator:
         reset = replace(
             self,
             micro_steps=torch.where(window_ends, 0, micro_steps),
-            grads=pytree.tree_map(reset_sum, sums),
+            grads=pytree.tree_map(lambda total: torch.where(window_ends, 0.0, total), sums),
             grads_finite=window_finite | window_ends,
             finite_per_loss=pytree.tree_map(lambda flag: flag | window_ends, window_per_loss),
         )

@@ -145,17 +145,18 @@ def train_step(
     (`torch._dynamo.mark_static_address`) the step replays as CUDA graphs under
     `mode="reduce-overhead"`. Params made with `v.detach()` share their module's storage, so
     donating them updates the module too. Eager, the step writes the new params and optimizer state
-    into the donated ones (the select that keeps a skipped step's values writes in place), and the
-    accumulator's sums into theirs, so they need no fresh memory; the scaler and counts come back
-    new, as does an expanded (stride 0) tensor, which has no memory for its values. The values are
-    those of the pure step: bit for bit eager, and compiled in float32 compute, or in 16-bit compute
-    when Inductor rounds intermediates as eager does (`options={"emulate_precision_casts": True}`);
-    otherwise Inductor's fusions skip 16-bit roundings differently in the two graphs. Do not donate
-    under `torch.func` transforms (`grad`, `vmap`), which need the inputs intact (eager, a donated
-    step there, or one that autograd records, writes nothing in place). Every donated tensor must
-    own its memory: one tensor listed twice raises, but two tensors that view one storage (tied
-    weights taken as two `state_dict()` entries) cannot be told apart without reading addresses,
-    which Dynamo does not trace; list tied weights once.
+    into the donated ones (the select that keeps a skipped step's values writes in place), so they
+    need no fresh memory; the scaler, the counts and the accumulator come back new, as does a tensor
+    whose elements share memory (an expanded one), and nothing is written before the step has
+    computed everything it returns. The values are those of the pure step: bit for bit eager, and
+    compiled in float32 compute, or in 16-bit compute when Inductor rounds intermediates as eager
+    does (`options={"emulate_precision_casts": True}`); otherwise Inductor's fusions skip 16-bit
+    roundings differently in the two graphs. Do not donate under `torch.func` transforms (`grad`,
+    `vmap`), which need the inputs intact (eager, a donated step there, or one that autograd
+    records, writes nothing in place). Every donated tensor must own its memory: one tensor listed
+    twice raises, but two tensors that view one storage (tied weights taken as two `state_dict()`
+    entries) cannot be told apart without reading addresses, which Dynamo does not trace; list tied
+    weights once.
 
     Args:
         loss_fn: `loss_fn(params, *args) -> loss`, or `-> (loss, aux)` with `has_aux`; loss 0-dim,
@@ -203,7 +204,7 @@ def train_step(
     grads, grads_finite, loss, aux, finite_per_loss = gradients
     accumulator = state.accumulator
     if isinstance(accumulator, GradientAccumulator):
-        window = accumulator.add(grads, grads_finite, finite_per_loss, donate=donate)
+        window = accumulator.add(grads, grads_finite, finite_per_loss)
         stepped, grads, window_finite, step_per_loss, accumulator = window
         applied = stepped & window_finite
         # The scale stays fixed inside a window and adjusts once, by the whole window's flags.

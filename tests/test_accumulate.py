@@ -205,18 +205,14 @@ def test_compiled_donated_accumulation_matches_eager_in_one_graph() -> None:
     assert [t.data_ptr() for t in torch.utils._pytree.tree_leaves(compiled_state)] == buffers
 
 
-def test_eager_donated_accumulation_writes_the_sums_in_place_bit_identically() -> None:
+def test_eager_donated_accumulation_equals_the_pure_step_bit_for_bit() -> None:
+    # The params and optimizer state are written in place; the sums come back new, so a step that
+    # raises after adding a micro-batch (in the optimizer, say) leaves the donated state as it was.
     pure, donated = accumulating_state(3), accumulating_state(3)
-
-    def sums(state: fmp.TrainState) -> list[torch.Tensor]:
-        return list(torch.utils._pytree.tree_leaves(state.accumulator.grads))
-
-    buffers = sums(donated)
     for x, y in mlp_batches(9, 4):
         pure, pure_info = fmp.train_step(mlp_loss, pure, x, y, policy=F32, optimizer=SGD)
         donated, info = fmp.train_step(mlp_loss, donated, x, y, policy=F32, optimizer=SGD, donate=True)
         assert_trees_bitwise_equal((donated, info), (pure, pure_info))
-        assert all(new is old for new, old in zip(sums(donated), buffers, strict=True))
     assert int(donated.counts.applied) == 1 and int(donated.counts.skipped) == 2  # batches 3 and 7 hold inf
 
 

@@ -123,7 +123,8 @@ def test_eager_donation_gives_expanded_gradients_new_tensors(clip: bool) -> None
     # Autograd returns the gradient of a sum expanded (stride 0): no memory to write each value into.
     weight = torch.randn(4, 3, requires_grad=True)
     (expanded,) = torch.autograd.grad(weight.sum() * 2.0**16, weight)
-    grads = {"expanded": expanded, "own": torch.full((5,), 2.0**16)}
+    overlapping = torch.full((15,), 2.0**15).as_strided((8, 8), (1, 1))  # the last write would win
+    grads = {"expanded": expanded, "overlapping": overlapping, "own": torch.full((5,), 2.0**16)}
     scaler = fmp.DynamicLossScale.create()
     function = functools.partial(fmp.unscale_clip_and_adjust, max_norm=1.0) if clip else fmp.unscale_and_adjust
     pure = function(scaler, grads)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
 
+import hypothesis
+import hypothesis.strategies as st
 import pytest
 import torch
 import torch.utils._pytree as pytree
@@ -21,6 +24,7 @@ from conftest import snapshot
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import fmp
+from fmp._donation import writable
 
 BF16 = fmp.get_policy("params=float32,compute=bfloat16,output=float32")
 F32 = fmp.Policy()
@@ -166,9 +170,30 @@ def keeps_previous_params(lr: float) -> fmp.optim.Optimizer:
     return fmp.optim.Optimizer(init, update)
 
 
+@hypothesis.given(
+    layout=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 4)), min_size=0, max_size=3),
+    permuted=st.booleans(),
+)
+def test_a_tensor_is_writable_in_place_only_where_no_two_elements_share_memory(
+    layout: list[tuple[int, int]], permuted: bool
+) -> None:
+    sizes, strides = [size for size, _ in layout], [stride for _, stride in layout]
+    view = torch.zeros(200).as_strided(sizes, strides)
+    offsets = [
+        sum(index * stride for index, stride in zip(position, strides, strict=True))
+        for position in itertools.product(*(range(size) for size in sizes))
+    ]
+    if writable(view):
+        assert len(set(offsets)) == len(offsets)
+    dense = torch.zeros(sizes).permute(list(reversed(range(len(sizes))))) if permuted else torch.zeros(sizes)
+    assert writable(dense)  # contiguous and transposed layouts always are
+
+
 def expanded_bias_state(optimizer: fmp.optim.Optimizer) -> fmp.TrainState:
     params = mlp_params()
     params["b1"] = torch.zeros(1).expand(8)  # stride 0: no memory to write eight values into
+    overlapping = torch.randn(15, generator=torch.Generator().manual_seed(0)).as_strided((8, 8), (1, 1))
+    params["w1"] = overlapping  # rows that overlap: the last write into them would win
     return fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create(2.0**10))
 
 
@@ -176,7 +201,7 @@ def test_eager_donation_reads_donated_tensors_handed_back_and_replaces_expanded_
     optimizer = keeps_previous_params(0.1)
     pure, donated = expanded_bias_state(optimizer), expanded_bias_state(optimizer)
     for x, y in mlp_batches(4, overflow_every=2):
-        buffers = {k: t for k, t in donated.params.items() if k != "b1"}
+        buffers = {k: t for k, t in donated.params.items() if k not in ("b1", "w1")}
         pure, _ = fmp.train_step(mlp_loss, pure, x, y, policy=F32, optimizer=optimizer)
         donated, _ = fmp.train_step(mlp_loss, donated, x, y, policy=F32, optimizer=optimizer, donate=True)
         assert_trees_bitwise_equal(donated, pure)
