@@ -50,8 +50,9 @@ def donates_eagerly(*trees: Any) -> bool:
 
     Not under torch.compile, where `donate_into` does it; not under `torch.func` transforms, which
     need their inputs intact; not where autograd records any of the tensors (a write in place would
-    cut its graph), nor for inference tensors outside inference mode, which refuse writes. There a
-    donated call returns new tensors, as a pure one does.
+    cut its graph), nor for inference tensors outside inference mode, which refuse writes, nor for
+    tensor subclasses (a `DTensor`'s shards, say), whose storage and strides are not their values'.
+    There a donated call returns new tensors, as a pure one does.
 
     Args:
         *trees: The donated trees and the new values to be written into them.
@@ -59,6 +60,8 @@ def donates_eagerly(*trees: Any) -> bool:
     if torch.compiler.is_compiling() or torch._C._functorch.get_interpreter_stack():
         return False
     tensors = [x for x in pytree.tree_leaves(trees) if isinstance(x, torch.Tensor)]
+    if any(type(x) not in (torch.Tensor, torch.nn.Parameter) for x in tensors):
+        return False
     if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
         return False
     return torch.is_inference_mode_enabled() or not any(x.is_inference() for x in tensors)

@@ -134,7 +134,7 @@ def test_eager_donation_gives_expanded_gradients_new_tensors(clip: bool) -> None
     assert donated[0]["own"] is own and expanded.stride() == (0, 0)
 
 
-def test_eager_donation_checks_its_input_and_writes_nothing_where_autograd_records() -> None:
+def test_eager_donation_checks_its_input_and_writes_nothing_where_it_may_not() -> None:
     scaler, grads = fmp.DynamicLossScale.create(init_scale=3.0), sample_grads(torch.float16)
     before = [g.clone() for g in grads]
     with pytest.raises(ValueError, match=r"scaled_grads\[0\] and scaled_grads\[1\] are one tensor"):
@@ -146,6 +146,15 @@ def test_eager_donation_checks_its_input_and_writes_nothing_where_autograd_recor
     unscaled, _, _ = fmp.unscale_and_adjust(scaler, tracked, donate=True)
     sum(g.sum() for g in unscaled).backward()
     assert all(torch.equal(g.grad, torch.full_like(g, 1 / 3.0)) for g in tracked)
+    # A tensor subclass's storage need not hold its values: it gets a new tensor.
+    subclassed = [g.as_subclass(SubclassedTensor) for g in grads]
+    unscaled, _, _ = fmp.unscale_and_adjust(scaler, subclassed, donate=True)
+    assert_trees_bitwise_equal(subclassed, before)
+    assert all(type(g) is SubclassedTensor for g in unscaled)
+
+
+class SubclassedTensor(torch.Tensor):
+    pass
 
 
 def test_wrong_scalers_are_named() -> None:
