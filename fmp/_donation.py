@@ -82,11 +82,12 @@ def writable(x: torch.Tensor) -> bool:
     if any(size == 0 for size in x.shape):
         return True
     dims = [(stride, size) for stride, size in zip(x.stride(), x.shape, strict=True) if size > 1]
-    return all(
-        stride
-        > sum((other_size - 1) * other for j, (other, other_size) in enumerate(dims) if j != i and other <= stride)
-        for i, (stride, _) in enumerate(dims)
-    )
+
+    def reach_below(i: int) -> Any:  # an int, or a SymInt under Dynamo
+        stride_i = dims[i][0]
+        return sum((size - 1) * stride for j, (stride, size) in enumerate(dims) if j != i and stride <= stride_i)
+
+    return all(stride > reach_below(i) for i, (stride, _) in enumerate(dims))
 
 
 def _storage(x: torch.Tensor) -> int:

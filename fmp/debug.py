@@ -193,13 +193,12 @@ def locate_nonfinite(
     so their ops are watched too. Module names come from global forward hooks, registered for
     the call and acting on this thread only.
 
-    Nothing the caller holds is updated: params and scaler are read, tensors in `args` are
-    copied first (running statistics passed there do not move), what the run does to the buffers
-    of the modules that run is undone after (a train-mode BatchNorm's statistics are put back, a
-    buffer the forward replaces or adds is put back or removed), and random ops draw from torch's
-    generators, whose states
-    (CPU, and the CUDA devices of the params and args) are restored after. To draw a step's
-    dropout mask, seed them as they were before that step.
+    Nothing the caller holds is updated: params and scaler are read, tensors in `args` are copied
+    first (running statistics passed there do not move), what the run does to the buffers of the
+    modules that run is undone after (a train-mode BatchNorm's statistics are put back, a buffer the
+    forward replaces or adds is put back or removed), and random ops draw from torch's generators,
+    whose states (CPU, and the CUDA devices of the params and args) are restored after. To draw a
+    step's dropout mask, seed them as they were before that step.
 
     Note: syncs with the host after every op (it reads each output); eager only.
 

@@ -77,9 +77,10 @@ def unscale_and_adjust(
         scaled_grads: A pytree of gradients of the scaled loss.
         donate: Whether the caller hands `scaled_grads` over: the unscaled values are then
             written into their buffers (as GradScaler's in-place kernel does) instead of new tensors,
-            which on CPU spares fresh pages and their faults; eager, they are multiplied in place
-            (except under `torch.func` transforms, or where autograd records the gradients, which
-            get new tensors). Bit for bit the values without donation.
+            which on CPU spares fresh pages and their faults; eager, they are multiplied in place.
+            Gradients get new tensors under `torch.func` transforms, where autograd records them,
+            and where they are tensor subclasses or their elements share memory (expanded ones).
+            Bit for bit the values without donation.
 
     Returns:
         `(grads, grads_finite, new_scaler)`: the unscaled gradients (each in its input dtype), a

@@ -93,7 +93,7 @@ def unscale_in_place(scaler: LossScale, tree: Tree) -> Tree:
     """`scaler.unscale(tree)` written into `tree`'s floating and complex tensors, for donated gradients.
 
     Bit for bit `unscale`'s values. Returns `tree`, with new tensors for the leaves that are not
-    `writable` (expanded ones).
+    `writable` (whose elements share memory, as an expanded tensor's do).
     """
     if isinstance(scaler, NoOpLossScale):
         return tree
