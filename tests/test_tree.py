@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fmp
+from fmp._donation import select_into
 from fmp.tree import _finite_magnitude
 from fmp.tree import _finite_rows
 from fmp.tree import _finite_whole
@@ -66,6 +67,26 @@ def test_select_tree_returns_the_chosen_side_bit_for_bit(pred: bool, a: list[flo
     chosen = left if pred else right
     assert torch.equal(bits(out["x"]), bits(chosen["x"]))
     assert torch.equal(out["k"], chosen["k"]) and out["n"] == 7
+
+
+@given(
+    st.booleans(),
+    st.lists(st.lists(values, min_size=4, max_size=4), min_size=2, max_size=4),
+    st.lists(st.lists(values, min_size=4, max_size=4), min_size=2, max_size=4),
+    st.lists(st.integers(-1, 3), min_size=4, max_size=4),
+)
+def test_select_into_writes_select_trees_bits_into_the_donated_tensors(
+    pred: bool, new: list[list[float]], old: list[list[float]], handed_back: list[int]
+) -> None:
+    # A donated step's select: new values (some of which are donated tensors handed back, as by an
+    # optimizer keeping the previous params) written into the donated ones, bit for bit select_tree's.
+    n = min(len(new), len(old))
+    donated = [torch.tensor(row) for row in old[:n]]
+    on_true = [donated[j] if 0 <= j < n and j != i else torch.tensor(new[i]) for i, j in enumerate(handed_back[:n])]
+    expected = fmp.select_tree(torch.tensor(pred), [t.clone() for t in on_true], [t.clone() for t in donated])
+    written = select_into(torch.tensor(pred), on_true, donated)
+    assert all(out is buffer for out, buffer in zip(written, donated, strict=True))
+    assert all(torch.equal(bits(out), bits(want)) for out, want in zip(written, expected, strict=True))
 
 
 def test_select_tree_rejects_mismatched_trees() -> None:
