@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 from conftest import assert_trees_bitwise_equal
+from conftest import bits
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -185,6 +186,11 @@ def test_the_flag_says_whether_every_unscaled_gradient_is_finite(values: list[fl
     assert bool(finite) == all(math.isfinite(v) and abs(v * 2.0**-exponent) <= largest for v in stored)
     expected = (grads[0].double() * 2.0**-exponent).float()
     torch.testing.assert_close(unscaled[0], expected, rtol=0, atol=0, equal_nan=True)
+    # Donated, the same bits and flag, written into the gradients themselves.
+    donated = [grads[0].clone()]
+    in_place, in_place_finite, _ = fmp.unscale_and_adjust(scaler, donated, donate=True)
+    assert in_place[0] is donated[0] and bool(in_place_finite) == bool(finite)
+    assert torch.equal(bits(in_place[0]), bits(unscaled[0]))
 
 
 @pytest.mark.compiled
