@@ -57,13 +57,18 @@ def run_without_syncs(step: Callable[..., Any], state: fmp.TrainState, steps: in
     return state
 
 
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
 @pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
-def test_eager_step_never_syncs_with_the_host(optimizer_name: str) -> None:
+def test_eager_step_never_syncs_with_the_host(optimizer_name: str, donate: bool) -> None:
     optimizer = SGD if optimizer_name == "sgd" else fmp.optim.adamw(1e-2)
-    step = functools.partial(fmp.train_step, mlp_loss, policy=FP16, optimizer=optimizer)
+    step = functools.partial(fmp.train_step, mlp_loss, policy=FP16, optimizer=optimizer, donate=donate)
     state = cuda_state(optimizer)
     state, _ = step(state, *next(cuda_batches(1, 0)))  # first use initialises cuBLAS, which may sync
-    run_without_syncs(step, state, steps=6)
+    buffers = pytree.tree_leaves((state.params, state.opt_state))
+    state = run_without_syncs(step, state, steps=6)
+    # Donated, the select writes into the state's own tensors (where(out=) on the device).
+    kept = [new is old for new, old in zip(pytree.tree_leaves((state.params, state.opt_state)), buffers, strict=True)]
+    assert all(kept) if donate else not any(kept)
 
 
 def test_eager_step_with_accumulation_two_losses_a_schedule_and_the_norm_never_syncs() -> None:
