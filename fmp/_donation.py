@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 
 from fmp.tree import selectable_pairs
 
-__all__ = ["check_distinct", "donate_into", "donates_eagerly", "select_into", "writable"]
+__all__ = ["check_distinct", "donate_into", "select_into", "writable", "writes_in_place"]
 
 Tree = TypeVar("Tree")
 
@@ -45,17 +45,19 @@ def check_distinct(donated: Any, name: str) -> None:
         group.append((where, leaf))
 
 
-def donates_eagerly(*trees: Any) -> bool:
-    """Whether a donated call writes into the donated tensors as it runs, eagerly.
+def writes_in_place(*trees: Any) -> bool:
+    """Whether eager code may write in place into these tensors, or into temporaries made from them.
 
-    Not under torch.compile, where `donate_into` does it; not under `torch.func` transforms, which
-    need their inputs intact; not where autograd records any of the tensors (a write in place would
-    cut its graph), nor for inference tensors outside inference mode, which refuse writes, nor for
-    tensor subclasses (a `DTensor`'s shards, say), whose storage and strides are not their values'.
-    There a donated call returns new tensors, as a pure one does.
+    A donated call writes into the donated tensors, and an optimizer into its own temporaries
+    (saving their memory), where this holds. Not under torch.compile, where `donate_into` does
+    it and Inductor fuses temporaries away; not under `torch.func` transforms, which need their
+    inputs intact; not where autograd records any of the tensors (a write in place would cut its
+    graph), nor for inference tensors outside inference mode, which refuse writes, nor for tensor
+    subclasses (a `DTensor`'s shards, say), whose storage and strides are not their values'.
+    There a call makes new tensors, as a pure one does.
 
     Args:
-        *trees: The donated trees and the new values to be written into them.
+        *trees: The trees whose tensors (or temporaries made from them) would be written.
     """
     if torch.compiler.is_compiling() or torch._C._functorch.get_interpreter_stack():
         return False
@@ -97,7 +99,7 @@ def _storage(x: torch.Tensor) -> int:
 def select_into(pred: torch.Tensor, on_true: Tree, donated: Tree) -> Tree:
     """`fmp.select_tree(pred, on_true, donated)`, written into `donated`'s tensors.
 
-    For eager calls where `donates_eagerly` holds, once `check_distinct` has passed on what the
+    For eager calls where `writes_in_place` holds, once `check_distinct` has passed on what the
     caller donated: each writable tensor of `donated` receives the chosen values (`torch.where`
     with `out=`), bit for bit `select_tree`'s; one that is not (`writable`) is replaced by a new
     tensor. A new value that is itself donated (an optimizer that keeps the previous params in its

@@ -29,7 +29,7 @@ from fmp._checks import check_bool
 from fmp._checks import check_real
 from fmp._donation import check_distinct
 from fmp._donation import donate_into
-from fmp._donation import donates_eagerly
+from fmp._donation import writes_in_place
 from fmp.loss_scale import LossScale
 from fmp.loss_scale import check_scaler
 from fmp.loss_scale import unscale_in_place
@@ -102,7 +102,7 @@ def unscale_and_adjust(
 
 def _unscales_in_place(scaled_grads: Any, donate: bool) -> bool:
     """Whether an eager donated call writes its results into the gradients as it computes them."""
-    if not (donate and donates_eagerly(scaled_grads)):
+    if not (donate and writes_in_place(scaled_grads)):
         return False
     check_distinct(scaled_grads, "scaled_grads")  # before anything is written
     return True

@@ -313,7 +313,7 @@ class GradientBuffer:
 
     def _write_back(self, buffers: tuple[torch.Tensor, ...], results: tuple[torch.Tensor, ...]) -> None:
         # The results are the buffers (donated), compiled or eager, except where eager donation
-        # writes nothing (fmp._donation.donates_eagerly: under a torch.func transform, say).
+        # writes nothing (fmp._donation.writes_in_place: under a torch.func transform, say).
         for buffer, values in zip(buffers, results, strict=True):
             if values.data_ptr() != buffer.data_ptr():
                 buffer.copy_(values)

@@ -20,8 +20,8 @@ from fmp._checks import check_bool
 from fmp._checks import check_int
 from fmp._donation import check_distinct
 from fmp._donation import donate_into
-from fmp._donation import donates_eagerly
 from fmp._donation import select_into
+from fmp._donation import writes_in_place
 from fmp.accumulate import GradientAccumulator
 from fmp.grad import Gradients
 from fmp.grad import LossFn
@@ -216,7 +216,7 @@ def train_step(
         raise TypeError(f"state.accumulator must be () or a GradientAccumulator, got {type(accumulator).__name__}")
     norm: torch.Tensor | tuple[()] = global_norm(grads).to(grads_finite.device) if grad_norm else ()
     updated = optimizer.update(grads, opt_state, params)
-    if donate and donates_eagerly(updated, (params, opt_state)):
+    if donate and writes_in_place(updated, (params, opt_state)):
         new_params, new_opt_state = select_into(applied, updated, (params, opt_state))
     else:
         new_params, new_opt_state = select_tree(applied, updated, (params, opt_state))

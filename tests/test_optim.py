@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -74,6 +75,31 @@ def test_matches_torch_optim(
         assert_trees_close(params, expected, rtol=1e-13, atol=0.0)
     else:
         assert_trees_bitwise_equal(params, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex64])
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        fmp.optim.adam(1e-2, weight_decay=0.1),
+        fmp.optim.adamw(1e-2, weight_decay=0.1),
+        fmp.optim.adamw(fmp.optim.schedule.warmup_cosine(1e-2, 2, 10), weight_decay=0.1),
+    ],
+    ids=["adam", "adamw", "adamw-scheduled"],
+)
+def test_adams_eager_temporaries_written_in_place_give_the_pure_forms_bits(
+    optimizer: fmp.optim.Optimizer, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gen = torch.Generator().manual_seed(0)
+    params = {"w": random_like((5, 4), dtype, gen), "t": random_like((), dtype, gen)}
+    in_place = pure = (params, optimizer.init(params))
+    for _ in range(4):
+        grads = {k: random_like(tuple(v.shape), dtype, gen) for k, v in params.items()}
+        in_place = optimizer.update(grads, in_place[1], in_place[0])
+        with monkeypatch.context() as patched:  # the form compiled code and transforms get
+            patched.setattr(importlib.import_module("fmp.optim.adam"), "writes_in_place", lambda *trees: False)
+            pure = optimizer.update(grads, pure[1], pure[0])
+        assert_trees_bitwise_equal(in_place, pure)
 
 
 def test_stateless_sgd_has_empty_state_and_stateful_ones_count_steps() -> None:

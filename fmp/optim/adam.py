@@ -10,6 +10,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fmp._checks import check_real
+from fmp._donation import writes_in_place
 from fmp.optim._base import LearningRate
 from fmp.optim._base import Optimizer
 from fmp.optim._base import check_lr
@@ -93,14 +94,22 @@ def _adam(
         step_scalars = torch.stack(scalars)
         if not decoupled and weight_decay:
             grad_leaves = [torch.add(g, p, alpha=weight_decay) for g, p in zip(grad_leaves, param_leaves, strict=True)]
+        # Eager, the arithmetic below writes into its own temporaries where it may (the same ops,
+        # so the same bits): half the allocations, each a pass over fresh memory. Compiled, Inductor
+        # fuses the pure form into one loop; autograd and torch.func need it pure.
+        in_place = writes_in_place(grads, state, params)
         exp_avg = [
             _like(torch.lerp(_real(m), _real(g), 1.0 - beta1), m)
             for m, g in zip(exp_avg_leaves, grad_leaves, strict=True)
         ]
-        exp_avg_sq = [
-            _like(torch.addcmul(_real(v) * beta2, _real(g), _real(g), value=1.0 - beta2), v)
-            for v, g in zip(exp_avg_sq_leaves, grad_leaves, strict=True)
-        ]
+
+        def new_exp_avg_sq(v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+            decayed, g = _real(v) * beta2, _real(g)
+            if in_place:
+                return _like(decayed.addcmul_(g, g, value=1.0 - beta2), v)
+            return _like(torch.addcmul(decayed, g, g, value=1.0 - beta2), v)
+
+        exp_avg_sq = [new_exp_avg_sq(v, g) for v, g in zip(exp_avg_sq_leaves, grad_leaves, strict=True)]
 
         def new_param(complex_param: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             param, m, v = _real(complex_param), _real(m), _real(v)
@@ -113,6 +122,10 @@ def _adam(
             # torch divides by a Python float, which its kernels read in at least float32 (opmath); its
             # addcdiv(param, m, denom, value=-step_size) forms param + (-step_size * m) / denom in
             # opmath too and rounds once to the param dtype.
+            if in_place:
+                denom = torch.sqrt(v).div_(scalars[1]).add_(eps)
+                update = (scalars[0] * m.to(opmath)).div_(denom.to(opmath))
+                return _like(torch.sub(param.to(opmath), update, out=update).to(param.dtype), complex_param)
             denom = torch.sqrt(v) / scalars[1] + eps
             update = scalars[0] * m.to(opmath) / denom.to(opmath)
             return _like((param.to(opmath) - update).to(param.dtype), complex_param)
