@@ -49,17 +49,18 @@ def writes_in_place(*trees: Any) -> bool:
     """Whether eager code may write in place into these tensors, or into temporaries made from them.
 
     A donated call writes into the donated tensors, and an optimizer into its own temporaries
-    (saving their memory), where this holds. Not under torch.compile, where `donate_into` does
-    it and Inductor fuses temporaries away; not under `torch.func` transforms, which need their
-    inputs intact; not where autograd records any of the tensors (a write in place would cut its
-    graph), nor for inference tensors outside inference mode, which refuse writes, nor for tensor
-    subclasses (a `DTensor`'s shards, say), whose storage and strides are not their values'.
-    There a call makes new tensors, as a pure one does.
+    (saving their memory), where this holds. Not under torch.compile, where `donate_into` does it
+    and Inductor fuses temporaries away; not under `torch.func` transforms, which need their inputs
+    intact; not where autograd records any of the tensors (a write in place would cut its graph) or
+    forward-mode AD may carry tangents, nor for inference tensors outside inference mode, which
+    refuse writes, nor for tensor subclasses (a `DTensor`'s shards, say), whose storage and strides
+    are not their values'. There a call makes new tensors, as a pure one does.
 
     Args:
         *trees: The trees whose tensors (or temporaries made from them) would be written.
     """
-    if torch.compiler.is_compiling() or torch._C._functorch.get_interpreter_stack():
+    # Inside a forward-mode AD level any tensor may carry a tangent, which out= forms refuse.
+    if torch.compiler.is_compiling() or torch._C._functorch.get_interpreter_stack() or _forward_ad_active():
         return False
     tensors = [x for x in pytree.tree_leaves(trees) if isinstance(x, torch.Tensor)]
     if any(type(x) not in (torch.Tensor, torch.nn.Parameter) for x in tensors):
@@ -67,6 +68,10 @@ def writes_in_place(*trees: Any) -> bool:
     if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
         return False
     return torch.is_inference_mode_enabled() or not any(x.is_inference() for x in tensors)
+
+
+def _forward_ad_active() -> bool:
+    return bool(torch.autograd.forward_ad._current_level >= 0)
 
 
 def writable(x: torch.Tensor) -> bool:

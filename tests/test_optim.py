@@ -38,7 +38,7 @@ def random_like(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator
     return torch.randn(shape, generator=gen).to(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.complex64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex64])
 @pytest.mark.parametrize(
     ("name", "ours", "theirs", "config"), CASES, ids=lambda v: str(v) if isinstance(v, dict) else v
 )
@@ -68,7 +68,7 @@ def test_matches_torch_optim(
         before = snapshot(inputs)
         params, state = optimizer.update(grads, state, params)
         assert_unmutated(inputs, before)
-    # The arithmetic is torch's, op for op: float32 and bfloat16 results agree bit for bit. In float64,
+    # The arithmetic is torch's, op for op: 32- and 16-bit results agree bit for bit. In float64,
     # Adam's on-device beta**step may differ from Python's pow in the last bit, and the update with it.
     expected = {k: p.detach() for k, p in reference.items()}
     if dtype == torch.float64 and name != "sgd":
@@ -100,6 +100,49 @@ def test_adams_eager_temporaries_written_in_place_give_the_pure_forms_bits(
             patched.setattr(importlib.import_module("fmp.optim.adam"), "writes_in_place", lambda *trees: False)
             pure = optimizer.update(grads, pure[1], pure[0])
         assert_trees_bitwise_equal(in_place, pure)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("in_place", [True, False], ids=["eager", "pure"])
+def test_a_0_dim_16_bit_param_rounds_adams_denominator_as_torch_does(
+    dtype: torch.dtype, in_place: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The pure form (compiled, under torch.func or autograd) divided a 0-dim 16-bit moment by the
+    # 0-dim float32 bias correction and kept the quotient in float32, where torch rounds it.
+    if not in_place:
+        monkeypatch.setattr(importlib.import_module("fmp.optim.adam"), "writes_in_place", lambda *trees: False)
+    params, grads = {"t": torch.tensor(0.7, dtype=dtype)}, {"t": torch.tensor(0.3, dtype=dtype)}
+    optimizer = fmp.optim.adam(1e30)
+    ours, _ = optimizer.update(grads, optimizer.init(params), params)
+    reference = torch.nn.Parameter(params["t"].clone())
+    reference.grad = grads["t"].clone()
+    torch.optim.Adam([reference], lr=1e30, foreach=False).step()
+    assert_trees_bitwise_equal(ours, {"t": reference.detach()})
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # forward AD's first use
+@pytest.mark.parametrize("optimizer_of", [fmp.optim.adam, fmp.optim.adamw], ids=["adam", "adamw"])
+def test_adam_differentiates_through_a_learned_lr_and_in_forward_mode(
+    optimizer_of: Callable[..., fmp.optim.Optimizer],
+) -> None:
+    # Autograd records the update through the lr (a hypergradient) and forward-mode AD carries
+    # tangents through it: both need the pure form, whose ops all differentiate.
+    params, grads = {"w": torch.linspace(-1.0, 1.0, 6)}, {"w": torch.linspace(0.5, -0.2, 6)}
+
+    def updated_sum(log_lr: torch.Tensor) -> torch.Tensor:
+        optimizer = optimizer_of(lambda count: log_lr.exp() + 0.0 * count)
+        new, _ = optimizer.update(grads, optimizer.init(params), params)
+        return new["w"].sum()
+
+    log_lr = torch.tensor(-4.0, dtype=torch.float64, requires_grad=True)
+    (hypergradient,) = torch.autograd.grad(updated_sum(log_lr), log_lr)
+    torch.testing.assert_close(hypergradient, torch.func.grad(updated_sum)(log_lr.detach()), rtol=1e-12, atol=0.0)
+    assert float(hypergradient) != 0.0
+    optimizer = optimizer_of(1e-2)
+    with torch.autograd.forward_ad.dual_level():
+        tangents = {"w": torch.autograd.forward_ad.make_dual(grads["w"], torch.ones(6))}
+        dual, _ = optimizer.update(tangents, optimizer.init(params), params)
+        assert torch.autograd.forward_ad.unpack_dual(dual["w"]).tangent is not None
 
 
 def test_stateless_sgd_has_empty_state_and_stateful_ones_count_steps() -> None:

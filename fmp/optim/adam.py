@@ -92,12 +92,12 @@ def _adam(
             scheduled_decay = True
             scalars.append(1.0 - lr_now * weight_decay)
         step_scalars = torch.stack(scalars)
-        if not decoupled and weight_decay:
-            grad_leaves = [torch.add(g, p, alpha=weight_decay) for g, p in zip(grad_leaves, param_leaves, strict=True)]
         # Eager, the arithmetic below writes into its own temporaries where it may (the same ops,
         # so the same bits): half the allocations, each a pass over fresh memory. Compiled, Inductor
-        # fuses the pure form into one loop; autograd and torch.func need it pure.
-        in_place = writes_in_place(grads, state, params)
+        # fuses the pure form into one loop; autograd (of a learned lr too) and torch.func need it pure.
+        in_place = writes_in_place(grads, state, params, step_scalars)
+        if not decoupled and weight_decay:
+            grad_leaves = [torch.add(g, p, alpha=weight_decay) for g, p in zip(grad_leaves, param_leaves, strict=True)]
         exp_avg = [
             _like(torch.lerp(_real(m), _real(g), 1.0 - beta1), m)
             for m, g in zip(exp_avg_leaves, grad_leaves, strict=True)
@@ -126,7 +126,10 @@ def _adam(
                 denom = torch.sqrt(v).div_(scalars[1]).add_(eps)
                 update = (scalars[0] * m.to(opmath)).div_(denom.to(opmath))
                 return _like(torch.sub(param.to(opmath), update, out=update).to(param.dtype), complex_param)
-            denom = torch.sqrt(v) / scalars[1] + eps
+            # Rounded to v's dtype before eps is added, as torch's (and the in-place form's) division
+            # by a number rounds it: a 0-dim 16-bit v divided by the 0-dim float32 tensor would
+            # otherwise stay float32.
+            denom = (torch.sqrt(v) / scalars[1]).to(v.dtype) + eps
             update = scalars[0] * m.to(opmath) / denom.to(opmath)
             return _like((param.to(opmath) - update).to(param.dtype), complex_param)
 
