@@ -137,8 +137,8 @@ def select_into(pred: torch.Tensor, on_true: Tree, donated: Tree) -> Tree:
     return cast(Tree, pytree.tree_unflatten(written, spec))
 
 
-def donate_into(donated: Tree, new: Tree, name: str) -> Tree:
-    """Writes `new` into the buffers of `donated` when compiling.
+def donate_into(donated: Tree, new: Tree) -> Tree:
+    """Writes `new` into the buffers of `donated` when compiling, once `check_distinct` has passed on them.
 
     Under torch.compile the copy is no extra pass: Inductor stores the result straight into the
     donated buffers, so nothing new is allocated. Eager, the tensors of `new` are returned as they
@@ -147,16 +147,11 @@ def donate_into(donated: Tree, new: Tree, name: str) -> Tree:
     Args:
         donated: The tree of tensors the caller hands over.
         new: Its new values, of the same structure, shapes and dtypes.
-        name: What `donated` is called in error messages.
 
     Returns:
         A tree with `new`'s values: `donated`'s tensors when compiling (`new`'s where a donated
         tensor is not `writable`), else `new` itself.
-
-    Raises:
-        ValueError: If `donated` lists one tensor twice (both leaves are named).
     """
-    check_distinct(donated, name)
     if not torch.compiler.is_compiling():
         return new
     donated_leaves, spec = pytree.tree_flatten(donated)

@@ -96,16 +96,19 @@ def unscale_and_adjust(
     grads = unscale_in_place(scaler, scaled_grads) if in_place else scaler.unscale(scaled_grads)
     grads_finite = all_finite(grads)
     if donate:
-        grads = donate_into(scaled_grads, grads, "scaled_grads")
+        grads = donate_into(scaled_grads, grads)
     return grads, grads_finite, cast(ScaleT, scaler.adjust(grads_finite))
 
 
 def _unscales_in_place(scaled_grads: Any, donate: bool) -> bool:
-    """Whether an eager donated call writes its results into the gradients as it computes them."""
-    if not (donate and writes_in_place(scaled_grads)):
+    """Whether an eager donated call writes its results into the gradients as it computes them.
+
+    Checks first, with `donate`, that no gradient is listed twice: before anything is written.
+    """
+    if not donate:
         return False
-    check_distinct(scaled_grads, "scaled_grads")  # before anything is written
-    return True
+    check_distinct(scaled_grads, "scaled_grads")
+    return writes_in_place(scaled_grads)
 
 
 # Gradients per combo kernel: Inductor's default of 8 gives 200 gradients 25 launches, where 64
@@ -191,7 +194,7 @@ def _unscale_clip_and_adjust(
     grads_finite = all_finite(grads)
     clipped, grad_norm = clip_tree_by_global_norm(grads, max_norm, in_place=in_place)
     if donate:
-        clipped = donate_into(scaled_grads, clipped, "scaled_grads")
+        clipped = donate_into(scaled_grads, clipped)
     return clipped, grads_finite, grad_norm, cast(ScaleT, scaler.adjust(grads_finite))
 
 

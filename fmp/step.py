@@ -226,7 +226,7 @@ def train_step(
     if donate:
         # The donated scalers' buffers receive the new scales.
         loss_scale = pytree.tree_map(torch.clone, loss_scale)
-        new_state = donate_into(state, new_state, "state")
+        new_state = donate_into(state, new_state)
     return new_state, StepInfo(loss, applied, grads_finite, loss_scale, norm, aux)
 
 
