@@ -92,23 +92,23 @@ def unscale_and_adjust(
             `donate`) a gradient tensor is listed twice.
     """
     _check_arguments(scaler, scaled_grads, donate)
-    in_place = _unscales_in_place(scaled_grads, donate)
-    grads = unscale_in_place(scaler, scaled_grads) if in_place else scaler.unscale(scaled_grads)
+    grads, _ = _unscale(scaler, scaled_grads, donate)
     grads_finite = all_finite(grads)
     if donate:
         grads = donate_into(scaled_grads, grads)
     return grads, grads_finite, cast(ScaleT, scaler.adjust(grads_finite))
 
 
-def _unscales_in_place(scaled_grads: Any, donate: bool) -> bool:
-    """Whether an eager donated call writes its results into the gradients as it computes them.
+def _unscale(scaler: LossScale, scaled_grads: Tree, donate: bool) -> tuple[Tree, bool]:
+    """The unscaled gradients, and whether they were written into `scaled_grads` (eager, donated).
 
-    Checks first, with `donate`, that no gradient is listed twice: before anything is written.
+    With `donate`, first checks that no gradient is listed twice: before anything is written.
     """
-    if not donate:
-        return False
-    check_distinct(scaled_grads, "scaled_grads")
-    return writes_in_place(scaled_grads)
+    if donate:
+        check_distinct(scaled_grads, "scaled_grads")
+    if donate and writes_in_place(scaled_grads):
+        return unscale_in_place(scaler, scaled_grads), True
+    return scaler.unscale(scaled_grads), False
 
 
 # Gradients per combo kernel: Inductor's default of 8 gives 200 gradients 25 launches, where 64
@@ -189,8 +189,7 @@ def _unscale_clip_and_adjust(
     scaler: ScaleT, scaled_grads: Tree, max_norm: float, donate: bool
 ) -> tuple[Tree, torch.Tensor, torch.Tensor, ScaleT]:
     # No argument checks here: compiled, max_norm may be a symbolic float, which they cannot read.
-    in_place = _unscales_in_place(scaled_grads, donate)
-    grads = unscale_in_place(scaler, scaled_grads) if in_place else scaler.unscale(scaled_grads)
+    grads, in_place = _unscale(scaler, scaled_grads, donate)
     grads_finite = all_finite(grads)
     clipped, grad_norm = clip_tree_by_global_norm(grads, max_norm, in_place=in_place)
     if donate:
