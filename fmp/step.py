@@ -19,6 +19,7 @@ import torch.utils._pytree as pytree
 from fmp._checks import check_bool
 from fmp._checks import check_int
 from fmp._donation import check_distinct
+from fmp._donation import copy_aliases
 from fmp._donation import donate_into
 from fmp._donation import select_into
 from fmp._donation import writes_in_place
@@ -138,7 +139,8 @@ def train_step(
     window's end (branch-free).
 
     Donation, as `jax.jit`'s `donate_argnums`: with `donate=True` the caller hands over `state` and
-    must not read it after the call (nor an `aux` that returns the state's own tensors). Under
+    must not read it after the call; the loss and `aux` it returns keep their values (one that is
+    the state's own tensor, or a view of it, is copied first). Under
     `torch.compile` the step then writes the new values into its buffers instead of allocating new
     ones (the returned state lives in the same buffers), which saves the allocation, the page faults
     of fresh memory on CPU, and peak memory; with the state's tensors marked static
@@ -216,7 +218,11 @@ def train_step(
         raise TypeError(f"state.accumulator must be () or a GradientAccumulator, got {type(accumulator).__name__}")
     norm: torch.Tensor | tuple[()] = global_norm(grads).to(grads_finite.device) if grad_norm else ()
     updated = optimizer.update(grads, opt_state, params)
-    if donate and writes_in_place(updated, (params, opt_state)):
+    writes_eagerly = donate and writes_in_place(updated, (params, opt_state))
+    if writes_eagerly or (donate and torch.compiler.is_compiling()):
+        # The loss and aux the step returns keep their values when the state's buffers are written.
+        loss, aux = copy_aliases((loss, aux), state)
+    if writes_eagerly:
         new_params, new_opt_state = select_into(applied, updated, (params, opt_state))
     else:
         new_params, new_opt_state = select_tree(applied, updated, (params, opt_state))

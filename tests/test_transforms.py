@@ -3,28 +3,21 @@
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Callable
 from typing import Any
-from typing import NamedTuple
 
-import hypothesis
-import hypothesis.strategies as st
 import pytest
 import torch
 import torch.utils._pytree as pytree
 from conftest import TOLERANCES
 from conftest import assert_trees_bitwise_equal
 from conftest import assert_trees_close
-from conftest import assert_unmutated
 from conftest import mlp_batches
 from conftest import mlp_loss
 from conftest import mlp_params
-from conftest import snapshot
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import fmp
-from fmp._donation import writable
 
 BF16 = fmp.get_policy("params=float32,compute=bfloat16,output=float32")
 F32 = fmp.Policy()
@@ -87,207 +80,6 @@ def test_a_thousand_compiled_steps_compile_once(
     assert int((~applied).sum()) == 1000 // 7  # every seventh batch holds an inf
     assert bool((scale.diff() > 0).any() and (scale.diff() < 0).any())  # the scale moved both ways
     assert int(state.opt_state.step) == int(applied.sum()) + 1  # skipped steps leave Adam's count alone
-
-
-@pytest.mark.compiled
-@pytest.mark.parametrize(
-    ("compute", "planned"),
-    [("float32", False), ("float32", True), ("bfloat16", False)],
-    ids=["float32", "float32-planned", "bfloat16"],
-)
-def test_donated_compiled_step_reuses_the_buffers_bit_identically(compute: str, planned: bool) -> None:
-    torch._dynamo.reset()
-    optimizer = fmp.optim.sgd(0.1, momentum=0.9)
-    policy = fmp.get_policy(f"params=float32,compute={compute},output=float32")
-    # Inductor skips intermediate bf16 roundings differently per fusion unless told to round as eager
-    # does; with that, the donating graph computes exactly what the pure one does. float32 needs
-    # nothing. Memory planning (the README's advice for CPU steps) only changes where temporaries live.
-    options = {"emulate_precision_casts": True} if compute == "bfloat16" else {}
-    donating_options = options | {"memory_planning": True} if planned else options
-    pure_step, donating_step = (
-        torch.compile(
-            functools.partial(fmp.train_step, mlp_loss, policy=policy, optimizer=optimizer, donate=donate),
-            fullgraph=True,
-            options=compile_options,
-        )
-        for donate, compile_options in ((False, options), (True, donating_options))
-    )
-    pure = donated = fmp.TrainState.create(mlp_params(), optimizer, fmp.DynamicLossScale.create(2.0**10))
-    donated = pytree.tree_map(torch.clone, donated)
-    for x, y in mlp_batches(6, overflow_every=3):
-        buffers = [t.data_ptr() for t in pytree.tree_leaves((donated.params, donated.opt_state))]
-        pure, _ = pure_step(pure, x, y)
-        donated, _ = donating_step(donated, x, y)
-        assert [t.data_ptr() for t in pytree.tree_leaves((donated.params, donated.opt_state))] == buffers
-        assert_trees_bitwise_equal(donated, pure)
-
-
-def _state_buffers(state: fmp.TrainState) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves((state.params, state.opt_state)) if isinstance(t, torch.Tensor)]
-
-
-@pytest.mark.parametrize("compute", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
-@pytest.mark.parametrize(
-    ("optimizer", "param_dtype"),
-    [
-        (fmp.optim.sgd(0.1, momentum=0.9), torch.float32),
-        (ADAMW, torch.float32),
-        (fmp.optim.stochastic_rounding(ADAMW, state_dtype=torch.bfloat16), torch.bfloat16),
-    ],
-    ids=["sgd-momentum", "adamw", "adamw-bfloat16-params"],
-)
-def test_eager_donation_writes_the_pure_steps_values_into_the_donated_buffers(
-    optimizer: fmp.optim.Optimizer, param_dtype: torch.dtype, compute: torch.dtype
-) -> None:
-    policy = fmp.Policy(param_dtype, compute, torch.float32)
-    params = pytree.tree_map(lambda p: p.to(param_dtype), mlp_params())
-    pure = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create(2.0**10))
-    donated = pytree.tree_map(torch.clone, pure)
-    for x, y in mlp_batches(6, overflow_every=3):
-        buffers, before = _state_buffers(donated), snapshot(pure)
-        new_pure, pure_info = fmp.train_step(mlp_loss, pure, x, y, policy=policy, optimizer=optimizer)
-        assert_unmutated(pure, before)  # the default stays pure
-        donated, info = fmp.train_step(mlp_loss, donated, x, y, policy=policy, optimizer=optimizer, donate=True)
-        assert all(new is old for new, old in zip(_state_buffers(donated), buffers, strict=True))
-        assert_trees_bitwise_equal((donated, info), (new_pure, pure_info))
-        pure = new_pure
-    assert int(donated.counts.skipped) == 2
-
-
-class PreviousParams(NamedTuple):
-    previous: dict[str, torch.Tensor]
-
-
-def keeps_previous_params(lr: float) -> fmp.optim.Optimizer:
-    """SGD whose state holds the params it was handed, the tensors themselves (as a pure optimizer may)."""
-
-    def init(params: dict[str, torch.Tensor]) -> PreviousParams:
-        return PreviousParams({k: v.clone() for k, v in params.items()})
-
-    def update(grads: Any, state: PreviousParams, params: Any) -> tuple[Any, PreviousParams]:
-        return {k: p - lr * grads[k] for k, p in params.items()}, PreviousParams(dict(params))
-
-    return fmp.optim.Optimizer(init, update)
-
-
-@hypothesis.given(
-    layout=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 4)), min_size=0, max_size=3),
-    permuted=st.booleans(),
-)
-def test_a_tensor_is_writable_in_place_only_where_no_two_elements_share_memory(
-    layout: list[tuple[int, int]], permuted: bool
-) -> None:
-    sizes, strides = [size for size, _ in layout], [stride for _, stride in layout]
-    view = torch.zeros(200).as_strided(sizes, strides)
-    offsets = [
-        sum(index * stride for index, stride in zip(position, strides, strict=True))
-        for position in itertools.product(*(range(size) for size in sizes))
-    ]
-    if writable(view):
-        assert len(set(offsets)) == len(offsets)
-    dense = torch.zeros(sizes).permute(list(reversed(range(len(sizes))))) if permuted else torch.zeros(sizes)
-    assert writable(dense)  # contiguous and transposed layouts always are
-
-
-def expanded_bias_state(optimizer: fmp.optim.Optimizer) -> fmp.TrainState:
-    params = mlp_params()
-    params["b1"] = torch.zeros(1).expand(8)  # stride 0: no memory to write eight values into
-    overlapping = torch.randn(15, generator=torch.Generator().manual_seed(0)).as_strided((8, 8), (1, 1))
-    params["w1"] = overlapping  # rows that overlap: the last write into them would win
-    return fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create(2.0**10))
-
-
-def test_eager_donation_reads_donated_tensors_handed_back_and_replaces_expanded_ones() -> None:
-    optimizer = keeps_previous_params(0.1)
-    pure, donated = expanded_bias_state(optimizer), expanded_bias_state(optimizer)
-    for x, y in mlp_batches(4, overflow_every=2):
-        buffers = {k: t for k, t in donated.params.items() if k not in ("b1", "w1")}
-        pure, _ = fmp.train_step(mlp_loss, pure, x, y, policy=F32, optimizer=optimizer)
-        donated, _ = fmp.train_step(mlp_loss, donated, x, y, policy=F32, optimizer=optimizer, donate=True)
-        assert_trees_bitwise_equal(donated, pure)
-        assert all(donated.params[k] is t for k, t in buffers.items())
-
-
-@pytest.mark.compiled
-def test_compiled_donation_replaces_expanded_tensors() -> None:
-    optimizer = keeps_previous_params(0.1)
-    pure, compiled = expanded_bias_state(optimizer), expanded_bias_state(optimizer)
-    # Functionalized as Inductor's input is (aot_eager), without generating code.
-    step = torch.compile(
-        functools.partial(fmp.train_step, mlp_loss, policy=F32, optimizer=optimizer, donate=True),
-        backend="aot_eager",
-        fullgraph=True,
-    )
-    for x, y in mlp_batches(4, overflow_every=2):
-        pure, _ = fmp.train_step(mlp_loss, pure, x, y, policy=F32, optimizer=optimizer)
-        compiled, _ = step(compiled, x, y)
-        assert_trees_bitwise_equal(compiled, pure)
-
-
-def test_eager_donation_under_transforms_or_autograd_writes_nothing() -> None:
-    optimizer = fmp.optim.sgd(0.1, momentum=0.9)
-    step = functools.partial(fmp.train_step, mlp_loss, policy=F32, optimizer=optimizer)
-    members = [fmp.TrainState.create(mlp_params(seed=s), optimizer, fmp.DynamicLossScale.create()) for s in (0, 1)]
-    stacked, (x, y) = fmp.stack_trees(members), next(mlp_batches(1, 0))
-    xs, ys, before = torch.stack([x, x]), torch.stack([y, y]), snapshot(stacked)
-    # vmap needs its inputs intact: the donated ensemble step leaves them so and equals the pure one.
-    donated = torch.func.vmap(functools.partial(step, donate=True))(stacked, xs, ys)
-    assert_unmutated(stacked, before)
-    assert_trees_bitwise_equal(donated, torch.func.vmap(step)(stacked, xs, ys))
-    # Autograd records the update (a meta-gradient through the step): written in place, it would be cut.
-    state, tracked = members[0], x.clone().requires_grad_()
-    before = snapshot(state)
-    new_state, _ = step(state, tracked, y, donate=True)
-    assert_unmutated(state, before)
-    mlp_loss(new_state.params, x, y).backward()
-    assert tracked.grad is not None and bool(tracked.grad.abs().sum() > 0)
-
-
-def test_a_donated_state_whose_dicts_list_keys_in_another_order_is_written_key_by_key() -> None:
-    optimizer = fmp.optim.sgd(0.1, momentum=0.9)
-    pure = fmp.TrainState.create(mlp_params(), optimizer, fmp.DynamicLossScale.create())
-    momentum = {key: pure.opt_state.momentum[key].clone() for key in reversed(list(pure.opt_state.momentum))}
-    donated = pytree.tree_map(torch.clone, pure)._replace(opt_state=pure.opt_state._replace(momentum=momentum))
-    buffers = {key: t.data_ptr() for key, t in momentum.items()}
-    # The copies into the donated buffers happen while Dynamo traces: no code generation needed.
-    step = torch.compile(
-        functools.partial(fmp.train_step, mlp_loss, policy=F32, optimizer=optimizer, donate=True),
-        backend="eager",
-        fullgraph=True,
-    )
-    for x, y in mlp_batches(3, 0):
-        pure, _ = fmp.train_step(mlp_loss, pure, x, y, policy=F32, optimizer=optimizer)
-        donated, _ = step(donated, x, y)
-        assert list(donated.opt_state.momentum) == list(momentum)  # its own order, kept
-        assert {key: t.data_ptr() for key, t in donated.opt_state.momentum.items()} == buffers
-        by_key = [
-            {key: tree[key] for key in sorted(tree)} for tree in (donated.opt_state.momentum, pure.opt_state.momentum)
-        ]
-        assert_trees_bitwise_equal(*by_key)
-        assert_trees_bitwise_equal(donated.params, pure.params)
-
-
-def test_donating_a_tensor_listed_twice_is_refused() -> None:
-    params = mlp_params()
-    params["w1_tied"] = params["w1"]
-    optimizer = fmp.optim.sgd(0.1)
-
-    def tied_loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return mlp_loss(params, x, y) + params["w1_tied"].sum()
-
-    step = torch.compile(
-        functools.partial(fmp.train_step, tied_loss, policy=BF16, optimizer=optimizer, donate=True),
-        backend="eager",  # the check runs while tracing; no code generation needed
-        fullgraph=True,
-    )
-    state, (x, y) = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create()), next(mlp_batches(1, 0))
-    message = r"state\.params\['w1'\] and state\.params\['w1_tied'\] are one tensor"
-    with pytest.raises(ValueError, match=message):
-        fmp.train_step(tied_loss, state, x, y, policy=BF16, optimizer=optimizer, donate=True)
-    with pytest.raises(RuntimeError, match=message):  # Dynamo wraps the ValueError raised while tracing
-        step(state, x, y)
-    with pytest.raises(TypeError, match="donate must be a bool"):
-        fmp.train_step(tied_loss, state, x, y, policy=BF16, optimizer=optimizer, donate="yes")  # type: ignore[arg-type]
 
 
 @pytest.mark.compiled
