@@ -36,6 +36,8 @@ def check_int(name: str, value: Any, low: int, high: int) -> int:
     """Returns `value` as an int, or raises naming `name` and the closed range [low, high]."""
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got bool")
+    if getattr(value, "ndim", 0) != 0:  # a one-element tensor or array passes operator.index
+        raise TypeError(f"{name} must be an int, got a {type(value).__name__} of shape {tuple(value.shape)}")
     try:
         number = operator.index(value)
     except TypeError:

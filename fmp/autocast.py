@@ -116,6 +116,18 @@ def _active_modes() -> list[AutocastMode]:
     return _LOCAL.modes
 
 
+def _torch_autocast_nesting() -> int:
+    """How many `torch.autocast` regions (enabled or not) this thread is inside.
+
+    torch counts them but offers no getter: incrementing returns the new count, and the decrement
+    puts it back (clearing the cast cache is left to `torch.autocast`'s exit). Dynamo runs both
+    while tracing, inside the regions the traced code has entered.
+    """
+    nesting = torch.autocast_increment_nesting()
+    torch.autocast_decrement_nesting()
+    return nesting - 1
+
+
 def _eligible(x: Any) -> bool:
     # torch.autocast's rule: floating tensors other than float64 are cast; all else is left alone.
     return isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64
@@ -148,6 +160,7 @@ class AutocastMode(TorchFunctionMode):
     def __init__(self, table: Mapping[str, Target | None]) -> None:
         super().__init__()
         self.table = table
+        self._torch_nesting: int | None = None  # torch.autocast regions around `run`'s call
 
     def run(self, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
         """Calls `fn(*args, **kwargs)` with this mode on, as the innermost fmp region.
@@ -162,6 +175,7 @@ class AutocastMode(TorchFunctionMode):
         """
         stack = _active_modes()
         stack.append(self)
+        self._torch_nesting = _torch_autocast_nesting()
         try:
             with self:
                 return fn(*args, **kwargs)
@@ -173,8 +187,9 @@ class AutocastMode(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         stack = _active_modes()
-        if not self.table or (stack and stack[-1] is not self):
-            # Off, or an outer region reached from an inner one (which has already cast): the
+        if not self.table or (stack and stack[-1] is not self) or self._inside_torch_autocast():
+            # Off, or an outer region reached from an inner one (which has already cast), or from
+            # a torch.autocast region entered inside this one (model code's `enabled=False`): the
             # innermost region's rules are the only ones applied.
             return _call(func, args, kwargs)
         name = getattr(func, "__name__", "")
@@ -183,8 +198,9 @@ class AutocastMode(TorchFunctionMode):
         target = self._target(name, args, kwargs)
         if target is None:
             return self._uncast(func, name, types, args, kwargs)
-        # out= and an explicit dtype= opt an op out of autocast, as under torch.autocast.
-        if kwargs.get("out") is not None or kwargs.get("dtype") is not None:
+        # out= and an explicit dtype= opt an op out of autocast, as under torch.autocast; so does
+        # inplace=True (F.relu's), whose write must land in the caller's tensor, not a cast copy.
+        if kwargs.get("out") is not None or kwargs.get("dtype") is not None or kwargs.get("inplace") is True:
             return _call(func, args, kwargs)
         if any(isinstance(a, torch.dtype) for a in args):
             return _call(func, args, kwargs)
@@ -197,6 +213,10 @@ class AutocastMode(TorchFunctionMode):
                 args, kwargs = _cast_to((args, kwargs), widest)
             return _call(func, args, kwargs)
         raise RuntimeError(_BCE_FLOAT16_ERROR)  # Cast.FLOAT32_UNLESS_FLOAT16 under float16
+
+    def _inside_torch_autocast(self) -> bool:
+        """Whether the call comes from inside a `torch.autocast` region entered after this region's."""
+        return self._torch_nesting is not None and _torch_autocast_nesting() > self._torch_nesting
 
     def _target(self, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Target | None:
         """The rule of the first op on the call's path that the table lists; None if none does."""

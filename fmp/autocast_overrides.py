@@ -112,9 +112,22 @@ def _check_name(name: str, where: str) -> None:
         raise ValueError(f"unknown op {name!r} in autocast {where}{hint}")
 
 
+def _in_place(name: str) -> bool:
+    """Whether `name` is an in-place op: `mul_`, `addmm_`, or an augmented operator such as `__imul__`."""
+    if name.startswith("__i") and name.endswith("__"):
+        return True
+    return name.endswith("_") and not name.startswith("_")
+
+
 def _check_value(name: str, value: Any, what: str) -> None:
     if isinstance(value, torch.dtype) and not value.is_floating_point:
         raise TypeError(f"autocast {what} for {name!r} must cast to a floating dtype, got {value}")
+    if value is not None and _in_place(name):
+        # A cast makes a copy: the op would update the copy and leave the caller's tensor as it was.
+        raise ValueError(
+            f"autocast {what} for {name!r}: in-place ops are never cast (the op would update a cast copy, "
+            f"not the caller's tensor), as under torch.autocast; key the out-of-place op instead"
+        )
 
 
 def _checked_rules(rules: Mapping[Any, Override]) -> dict[str, Override]:

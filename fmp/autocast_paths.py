@@ -134,6 +134,13 @@ def _sum_to_size_path(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Path:
     return ("sum",) if reduces else ()
 
 
+def _lstm_path(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Path:
+    # On CPU a padded batch's LSTM runs its layers as mkldnn_rnn_layer; a packed one's (its batch
+    # sizes come second, where the padded form takes hx) runs on ops torch.autocast does not list.
+    packed = isinstance(argument(args, kwargs, 1, "batch_sizes"), torch.Tensor)
+    return () if packed else ("mkldnn_rnn_layer",)
+
+
 # Ops that reach one other op on their inputs, whatever the arguments. fmp casts the whole call by
 # that op's rule, so arithmetic torch runs before it (pairwise_distance's subtraction, trapezoid's
 # additions) runs in that dtype too.
@@ -145,7 +152,7 @@ CALLS: dict[str, str] = {
     "view_as_complex_copy": "view_as_complex",
     # C++ composites.
     "square": "pow", "pairwise_distance": "norm", "norm_except_dim": "norm", "trapezoid": "sum", "trapz": "sum",
-    "cumulative_trapezoid": "cumsum", "linalg_multi_dot": "mm",
+    "cumulative_trapezoid": "cumsum", "linalg_multi_dot": "mm", "_sparse_mm": "mm", "_sparse_addmm": "addmm",
     # Tensor's Python methods (torch._tensor), whose bodies the mode does not see.
     "__rmatmul__": "matmul", "lu": "_lu_with_info",
 }  # fmt: skip
@@ -160,6 +167,7 @@ ROUTES: dict[str, Callable[[tuple[Any, ...], Mapping[str, Any]], Path]] = {
     "linalg_norm": _linalg_norm_path,
     "pad": _pad_path,
     "sum_to_size": _sum_to_size_path,
+    "lstm": _lstm_path,
 }
 
 

@@ -357,8 +357,8 @@ class DynamicLossScale(_TensorScale):
             raise ValueError(
                 f"not a GradScaler or fmp.DynamicLossScale state_dict: missing keys {missing}, unknown keys {unknown}"
             )
+        scale, own_device = checked_scale(state_dict["scale"], "state_dict['scale']")
         try:
-            scale, own_device = checked_scale(state_dict["scale"], "state_dict['scale']")
             scaler = cls.create(
                 init_scale=scale,
                 growth_factor=state_dict["growth_factor"],
@@ -371,8 +371,10 @@ class DynamicLossScale(_TensorScale):
             )
         except (TypeError, ValueError) as error:  # create's argument names, as the dict's keys
             raise type(error)(f"state_dict: {str(error).replace('init_scale', 'scale')}") from None
-        tracker = check_int("_growth_tracker", state_dict["_growth_tracker"], 0, scaler.growth_interval - 1)
-        streak = check_int("overflow_streak", state_dict.get("overflow_streak", 0), 0, _INT32_MAX)
+        tracker = check_int(
+            "state_dict['_growth_tracker']", state_dict["_growth_tracker"], 0, scaler.growth_interval - 1
+        )
+        streak = check_int("state_dict['overflow_streak']", state_dict.get("overflow_streak", 0), 0, _INT32_MAX)
         like = scaler.growth_tracker
         return replace(
             scaler,

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence
 
 from fmp.autocast import autocast
 from fmp.autocast import resolve_rules
@@ -262,6 +263,10 @@ def test_in_place_out_and_explicit_dtype_are_not_cast(dtype: torch.dtype) -> Non
     assert autocast(lambda: half.sum(dtype=torch.float64), dtype)().dtype == torch.float64
     # Low-precision outputs stay low: an unlisted op downstream runs in its inputs' dtype.
     assert autocast(lambda: torch.relu(a @ a) + 1, dtype)().dtype == dtype
+    # inplace=True writes into the caller's tensor, even where an override casts the op.
+    relu_in_place = autocast(lambda x: F.relu(x, inplace=True), dtype, overrides={"relu": torch.float64})
+    written = torch.randn(3, 3)
+    assert relu_in_place(written) is written and bool((written >= 0).all())
 
 
 def test_binary_cross_entropy_float16_raises_helpfully() -> None:
@@ -302,6 +307,9 @@ BAD_OVERRIDES: dict[str, tuple[Any, type[Exception], str]] = {
     "int_dtype": ({torch.softmax: torch.int64}, TypeError, "'softmax' must cast to a floating dtype, got torch.int64"),
     "complex_dtype": ({"mm": torch.complex64}, TypeError, "'mm' must cast to a floating dtype"),
     "pairs": ([("softmax", torch.float32)], TypeError, "overrides must be a mapping of op to rule, got list"),
+    "in_place": ({"mul_": Cast.FLOAT32}, ValueError, "for 'mul_': in-place ops are never cast .*out-of-place op"),
+    "in_place_method": ({torch.Tensor.addmm_: torch.float32}, ValueError, "for 'addmm_': in-place ops are never"),
+    "augmented": ({"__imul__": torch.float32}, ValueError, "for '__imul__': in-place ops are never cast"),
 }  # fmt: skip
 
 
@@ -461,6 +469,9 @@ COMPOSITES: dict[str, Callable[[], Any]] = {
     "inner": lambda: torch.inner(torch.randn(3, 4), torch.randn(5, 4)),
     "multi_dot": lambda: torch.linalg.multi_dot([torch.randn(2, 3), torch.randn(3, 4), torch.randn(4, 2)]),
     "lstm": _rnn(nn.LSTM),
+    "lstm_packed": lambda: nn.LSTM(4, 5)(pack_padded_sequence(torch.randn(3, 2, 4), [3, 2]))[0].data,  # float32
+    "sparse_mm": lambda: torch.sparse.mm(torch.eye(4).to_sparse(), torch.randn(4, 3)),
+    "sparse_addmm": lambda: torch.sparse.addmm(torch.randn(4, 3), torch.eye(4).to_sparse(), torch.randn(4, 3)),
     "rnn_tanh": _rnn(nn.RNN),
     "rnn_relu": _rnn(nn.RNN, nonlinearity="relu"),
     "gru": _rnn(nn.GRU),  # stays float32 on CPU

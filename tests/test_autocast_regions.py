@@ -1,4 +1,4 @@
-"""fmp's fixed-dtype regions inside torch.autocast: off inside, as custom_fwd and autocast(enabled=False)."""
+"""Regions across fmp and torch: fmp's inside torch.autocast, and torch.autocast's inside fmp.autocast."""
 
 from __future__ import annotations
 
@@ -60,3 +60,37 @@ def test_a_region_inside_torch_autocast_compiles_whole() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = compiled(x, w)
     assert out.dtype == torch.float32 and torch.equal(out, (x @ w) * 2)
+
+
+def rotary_angles(freq: torch.Tensor, positions: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Model code that keeps its angles in float32 with torch's own opt-out, as rotary embeddings do."""
+    with torch.autocast("cpu", enabled=False):
+        angles = freq[:, None] @ positions[None, :]
+    return angles, angles.T @ w
+
+
+def bfloat16_inside(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inner = x @ w
+    return inner, x @ w
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_torch_autocast_regions_in_model_code_take_over_inside_fmp_autocast(compiled: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    freq, positions, w = torch.rand(8, generator=gen), torch.arange(64.0), torch.randn(8, 3, generator=gen)
+    opt_out = fmp.autocast(rotary_angles, torch.bfloat16, rules="cpu")
+    opt_in = fmp.autocast(bfloat16_inside, torch.float16, rules="cpu")
+    if compiled:  # Dynamo enters the model's regions while tracing, so the mode sees them there too
+        opt_out = torch.compile(opt_out, fullgraph=True, backend="eager")
+        opt_in = torch.compile(opt_in, fullgraph=True, backend="eager")
+    angles, projected = opt_out(freq, positions, w)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = rotary_angles(freq, positions, w)
+    assert angles.dtype == torch.float32 and torch.equal(angles, freq[:, None] @ positions[None, :])
+    assert projected.dtype == torch.bfloat16 and torch.equal(projected, expected[1])
+    # A region that turns torch.autocast on casts by torch's rules and dtype; after it, fmp's again.
+    x = torch.randn(4, 8, generator=gen)
+    inner, outer = opt_in(x, w)
+    assert inner.dtype == torch.bfloat16 and outer.dtype == torch.float16
+    assert torch.equal(outer, x.half() @ w.half())

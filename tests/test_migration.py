@@ -89,9 +89,31 @@ def test_a_stacked_state_dict_names_unstack_tree() -> None:
         ({}, ValueError, "empty, as a disabled GradScaler"),
         ({"scale": 1.0}, ValueError, r"missing keys \['growth_factor'"),
         ({**torch.amp.GradScaler("cpu").state_dict(), "scael": 2.0}, ValueError, r"unknown keys \['scael'\]"),
-        ({**torch.amp.GradScaler("cpu").state_dict(), "scale": 0.0}, ValueError, r"\['scale'\] must be a positive"),
-        ({**torch.amp.GradScaler("cpu").state_dict(), "scale": "65536"}, TypeError, r"\['scale'\] must be a real"),
-        ({**torch.amp.GradScaler("cpu").state_dict(), "_growth_tracker": 2000}, ValueError, "_growth_tracker must be"),
+        (
+            {**torch.amp.GradScaler("cpu").state_dict(), "scale": 0.0},
+            ValueError,
+            r"^state_dict\['scale'\] must be a pos",
+        ),
+        (
+            {**torch.amp.GradScaler("cpu").state_dict(), "scale": "65536"},
+            TypeError,
+            r"^state_dict\['scale'\] must be a",
+        ),
+        (
+            {**torch.amp.GradScaler("cpu").state_dict(), "_growth_tracker": 2000},
+            ValueError,
+            r"^state_dict\['_growth_tracker'\] must be in \[0, 1999\]",
+        ),
+        (
+            {**torch.amp.GradScaler("cpu").state_dict(), "_growth_tracker": torch.tensor([2])},
+            TypeError,
+            r"^state_dict\['_growth_tracker'\] must be an int, got a Tensor of shape \(1,\)",
+        ),
+        (
+            {**torch.amp.GradScaler("cpu").state_dict(), "overflow_streak": -1},
+            ValueError,
+            r"^state_dict\['overflow_streak'\] must be in",
+        ),
         ({**torch.amp.GradScaler("cpu").state_dict(), "growth_factor": "2"}, TypeError, "growth_factor must be"),
         ([("scale", 1.0)], TypeError, "state_dict must be a mapping"),
         (

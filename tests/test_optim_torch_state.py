@@ -318,3 +318,73 @@ def test_an_empty_param_group_converts_both_ways() -> None:
     assert sorted(back["state"]) == sorted(optimizer.state_dict()["state"])
     again, _ = fmp.optim.from_torch_state_dict("adamw", back, params, 1)
     assert sorted(again.init(params)) == ["group0", "group1"]
+
+
+def test_the_way_back_gives_each_named_parameter_its_own_state() -> None:
+    model, _, _ = torch_run("adamw", steps=0)
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    fmp_optimizer = fmp.optim.adamw(1e-2)
+    state = fmp.TrainState.create(params, fmp_optimizer, fmp.NoOpLossScale())
+    state, _ = fmp.train_step(
+        lambda p, x: torch.func.functional_call(model, p, (x,)).square().mean(),
+        state,
+        torch.randn(4, 16),
+        policy=fmp.Policy(),
+        optimizer=fmp_optimizer,
+    )
+    # Same-shaped layers listed in another order than the model's: only the names tell them apart.
+    named = list(model.named_parameters())
+    optimizer = torch.optim.AdamW(named[2:4] + named[:2] + named[4:], lr=1e-2)
+    if "param_names" not in optimizer.state_dict()["param_groups"][0]:
+        pytest.skip("this torch saves no param_names")
+    optimizer.load_state_dict(fmp.optim.to_torch_state_dict(state.opt_state, optimizer))
+    saved = optimizer.state_dict()
+    for index, name in enumerate(saved["param_groups"][0]["param_names"]):
+        assert torch.equal(saved["state"][index]["exp_avg"], state.opt_state.exp_avg[name]), name
+        assert torch.equal(saved["state"][index]["exp_avg_sq"], state.opt_state.exp_avg_sq[name]), name
+    renamed = torch.optim.AdamW([("head.weight", p) if n == "3.weight" else (n, p) for n, p in named])
+    message = r"param group 0 names \['head\.weight'\], which opt_state lacks and does not name \['3\.weight'\]"
+    with pytest.raises(ValueError, match=message):
+        fmp.optim.to_torch_state_dict(state.opt_state, renamed)
+
+
+@pytest.mark.parametrize("setting", ["amsgrad", "maximize"])
+def test_the_way_back_refuses_torch_settings_fmp_does_not_offer(setting: str) -> None:
+    model, _, _ = torch_run("adam", steps=0)
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = torch.optim.Adam(model.parameters(), **{setting: True})
+    with pytest.raises(ValueError, match=f"param group 0 has {setting}=True, which fmp's optimizers do not offer"):
+        fmp.optim.to_torch_state_dict(fmp.optim.adam().init(params), optimizer)
+
+
+@pytest.mark.parametrize(
+    "scheduler",
+    [
+        functools.partial(torch.optim.lr_scheduler.OneCycleLR, max_lr=1e-2, total_steps=10),
+        functools.partial(torch.optim.lr_scheduler.CyclicLR, base_lr=1e-4, max_lr=1e-2),
+        functools.partial(torch.optim.swa_utils.SWALR, swa_lr=1e-3),
+    ],
+    ids=["OneCycleLR", "CyclicLR", "SWALR"],
+)
+def test_a_state_dict_saved_with_a_scheduler_converts_at_its_current_settings(scheduler: Any) -> None:
+    model, optimizer, batches = torch_run("adamw", steps=0)
+    schedule = scheduler(optimizer)
+    for x in batches[:1] * 2:
+        model(x).square().mean().backward()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    fmp_optimizer, opt_state = fmp.optim.from_torch_state_dict("adamw", optimizer.state_dict(), params, 2)
+    # The scheduler's bookkeeping is left behind; lr and betas are taken as they stand now.
+    state = fmp.TrainState.create(params, fmp_optimizer, fmp.NoOpLossScale())._replace(opt_state=opt_state)
+    step_both_and_compare(model, optimizer, state, fmp_optimizer, batches[0])
+
+
+def test_a_group_with_unknown_settings_is_named_without_empty_lists() -> None:
+    model, optimizer, _ = torch_run("sgd", steps=0)
+    saved = optimizer.state_dict()
+    saved["param_groups"][0]["rho"] = 0.9
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"SGD state_dict: its param group 0 has unknown settings \['rho'\]$"):
+        fmp.optim.from_torch_state_dict("sgd", saved, params, 0)

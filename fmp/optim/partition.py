@@ -18,7 +18,7 @@ LabelFn = Callable[[str, torch.Tensor], str]
 """`label(name, param) -> group`, `name` the parameter's key ("0.weight" in a flat dict)."""
 
 
-def _name(path: tuple[Any, ...]) -> str:
+def param_name(path: tuple[Any, ...]) -> str:
     """A parameter's name from its key path: dict keys, sequence indices and attributes joined by dots."""
     parts = []
     for key in path:
@@ -38,7 +38,7 @@ def _groups(params: Any, label: LabelFn, optimizers: Mapping[str, Optimizer]) ->
     groups: dict[str, dict[str, int]] = {group: {} for group in optimizers}
     seen: set[str] = set()
     for index, (path, param) in enumerate(pytree.tree_flatten_with_path(params)[0]):
-        name = _name(path)
+        name = param_name(path)
         if name in seen:
             raise ValueError(f"two parameters are both named {name!r} (params{pytree.keystr(path)} and another)")
         seen.add(name)

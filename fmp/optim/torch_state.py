@@ -17,6 +17,7 @@ from fmp.optim._base import Optimizer
 from fmp.optim.adam import AdamState
 from fmp.optim.adam import adam
 from fmp.optim.adam import adamw
+from fmp.optim.partition import param_name
 from fmp.optim.partition import partition
 from fmp.optim.sgd import SgdState
 from fmp.optim.sgd import sgd
@@ -24,8 +25,10 @@ from fmp.optim.sgd import sgd
 __all__ = ["from_torch_state_dict", "to_torch_state_dict"]
 
 _TORCH_NAMES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
-# Settings that only choose torch's kernels or record a scheduler's start: nothing to carry over.
-_KERNEL_SETTINGS = {"maximize", "foreach", "capturable", "differentiable", "fused", "initial_lr", "param_names"}
+# Settings that only choose torch's kernels, or a scheduler's own bookkeeping (LRScheduler's
+# initial_lr, OneCycleLR's and CyclicLR's bounds, SWALR's swa_lr): nothing to carry over.
+_KERNEL_SETTINGS = {"maximize", "foreach", "capturable", "differentiable", "fused", "param_names"}
+_SCHEDULER_SETTINGS = {"initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr"}
 
 
 def _check_groups(kind: str, state_dict: Any, count: int) -> list[dict[str, Any]]:
@@ -50,13 +53,12 @@ def _check_group(kind: str, group: dict[str, Any], index: int) -> dict[str, Any]
     required = {"params", "lr", "weight_decay"} | (
         {"betas", "eps"} if is_adam else {"momentum", "dampening", "nesterov"}
     )
-    known = required | _KERNEL_SETTINGS | ({"amsgrad", "decoupled_weight_decay"} if is_adam else set())
+    known = required | _KERNEL_SETTINGS | _SCHEDULER_SETTINGS
+    known |= {"amsgrad", "decoupled_weight_decay"} if is_adam else set()
     missing, unknown = sorted(required - set(group)), sorted(set(group) - known)
     if missing or unknown:
-        raise ValueError(
-            f"not a torch.optim.{_TORCH_NAMES[kind]} state_dict: its {where} lacks {missing} "
-            f"and has unknown settings {unknown}"
-        )
+        problems = [f"lacks {missing}"] * bool(missing) + [f"has unknown settings {unknown}"] * bool(unknown)
+        raise ValueError(f"not a torch.optim.{_TORCH_NAMES[kind]} state_dict: its {where} {' and '.join(problems)}")
     if group.get("maximize"):
         raise ValueError(f"the state_dict's {where} has maximize=True, which fmp's optimizers do not offer")
     if is_adam:
@@ -270,16 +272,39 @@ def _group_state(
     return AdamState(step, exp_avg, exp_avg_sq)
 
 
-def _check_torch_params(torch_params: list[torch.Tensor], leaves: list[torch.Tensor], where: str) -> None:
-    """Raises unless a torch param group's parameters match fmp's state leaves, one per parameter."""
+def _in_torch_order(
+    buffers: dict[str, Any], group: Mapping[str, Any], index: int, where: str
+) -> dict[str, list[torch.Tensor]]:
+    """Each buffer's leaves in the order of torch param group `index`: by its `param_names` where it has them.
+
+    fmp names a leaf by its key path joined by dots ("0.weight"), as `partition` does and as
+    `model.named_parameters()` names it; without torch's names, the leaves go in fmp's order.
+    """
+    named = {
+        key: {param_name(path): leaf for path, leaf in pytree.tree_flatten_with_path(tree)[0]}
+        for key, tree in buffers.items()
+    }
+    torch_params: list[torch.Tensor] = list(group["params"])
+    if "param_names" not in group:
+        ordered = {key: list(leaves.values()) for key, leaves in named.items()}
+    else:
+        names, held = [str(name) for name in group["param_names"]], next(iter(named.values()))
+        unknown, unlisted = [n for n in names if n not in held], [n for n in held if n not in names]
+        if unknown or unlisted:
+            problems = [f"names {unknown}, which opt_state{where} lacks"] * bool(unknown)
+            problems += [f"does not name {unlisted}, which opt_state{where} holds"] * bool(unlisted)
+            raise ValueError(f"torch_optimizer's param group {index} {' and '.join(problems)}")
+        ordered = {key: [leaves[name] for name in names] for key, leaves in named.items()}
+    leaves = next(iter(ordered.values()))
     if len(torch_params) != len(leaves):
         raise ValueError(f"opt_state{where} holds {len(leaves)} parameters' state, torch_optimizer {len(torch_params)}")
-    for index, (param, leaf) in enumerate(zip(torch_params, leaves, strict=True)):
+    for position, (param, leaf) in enumerate(zip(torch_params, leaves, strict=True)):
         if param.shape != leaf.shape or param.dtype != leaf.dtype:
             raise ValueError(
-                f"parameter {index}{where}: torch_optimizer's is {param.dtype}{list(param.shape)}, "
+                f"parameter {position}{where}: torch_optimizer's is {param.dtype}{list(param.shape)}, "
                 f"opt_state's {leaf.dtype}{list(leaf.shape)}"
             )
+    return ordered
 
 
 def _torch_group_state(
@@ -301,16 +326,21 @@ def _torch_group_state(
     elif isinstance(opt_state, SgdState) and opt_state.momentum != ():
         buffers = {"momentum_buffer": opt_state.momentum}
     group = torch_optimizer.param_groups[index]
+    for setting in ("amsgrad", "maximize"):
+        if group.get(setting):
+            raise ValueError(
+                f"torch_optimizer's param group {index} has {setting}=True, which fmp's optimizers do not "
+                f"offer: opt_state{where} cannot continue it"
+            )
     if not is_adam and bool(group["momentum"]) != bool(buffers):
         raise ValueError(
             f"torch_optimizer's param group {index} has momentum={group['momentum']} but opt_state{where} keeps "
             f"{'momentum buffers' if buffers else 'none'}"
         )
-    flat = {key: pytree.tree_leaves(tree) for key, tree in buffers.items()}
-    if not flat:
+    if not buffers:
         return {}
+    flat = _in_torch_order(buffers, group, index, where)
     torch_params: list[torch.Tensor] = list(group["params"])
-    _check_torch_params(torch_params, next(iter(flat.values())), where)
     steps = int(opt_state.step)
     if steps == 0:
         return {}  # torch keeps no state before its first step
@@ -336,9 +366,13 @@ def to_torch_state_dict(opt_state: Any, torch_optimizer: torch.optim.Optimizer) 
         Reads the step counts on the host (a sync), as a checkpoint conversion may.
 
     Args:
-        opt_state: The state of `fmp.optim.sgd`, `adam` or `adamw` (`state.opt_state`), for params
-            listed in the order `torch_optimizer` holds them (as `model.parameters()` lists them);
-            or a `partition`'s state, its groups in the order of `torch_optimizer`'s param groups.
+        opt_state: The state of `fmp.optim.sgd`, `adam` or `adamw` (`state.opt_state`), or a
+            `partition`'s state, its groups in the order of `torch_optimizer`'s param groups. Where
+            `torch_optimizer` was built on `model.named_parameters()` (torch >= 2.6 keeps each
+            group's `param_names`), each parameter gets the state of the param of its name (a
+            key path joined by dots, "0.weight"); otherwise the params must be listed in the
+            order `torch_optimizer` holds them (as `model.parameters()` lists them), which only
+            their shapes and dtypes can check.
         torch_optimizer: A `torch.optim.SGD`, `Adam` or `AdamW`.
 
     Returns:
@@ -346,8 +380,9 @@ def to_torch_state_dict(opt_state: Any, torch_optimizer: torch.optim.Optimizer) 
 
     Raises:
         TypeError, ValueError: Naming the mismatch: an optimizer or state of another kind, a
-            momentum one side keeps and the other does not, another number of groups, or
-            parameters that differ in number, shape or dtype.
+            momentum one side keeps and the other does not, another number of groups, parameters
+            that differ in names, number, shape or dtype, or a setting fmp's optimizers do not
+            offer (`amsgrad`, `maximize`).
     """
     if not isinstance(torch_optimizer, torch.optim.SGD | torch.optim.Adam | torch.optim.AdamW):
         raise TypeError(
