@@ -50,7 +50,10 @@ def _check_param(index: int, param: Any, first_index: dict[int, int]) -> torch.T
     if param.layout != torch.strided:
         raise ValueError(f"{where} has layout {param.layout}: only dense (strided) gradients fit a flat buffer")
     if not param.requires_grad:
-        raise ValueError(f"{where} does not require grad, so backward would never write its .grad")
+        raise ValueError(
+            f"{where} does not require grad, so backward would never write its .grad; attach the trainable "
+            f"ones only: (p for p in model.parameters() if p.requires_grad)"
+        )
     if not param.is_leaf:
         raise ValueError(f"{where} is not a leaf tensor: autograd accumulates .grad into leaves only")
     if param.grad is not None and param.grad.layout != torch.strided:
@@ -105,6 +108,21 @@ def _check_skips_on_device(optimizer: Any) -> None:
         )
 
 
+class _Accumulation:
+    """Whether the gradients are new since the last unscale: a backward accumulated into them, or `zero_()` ran.
+
+    A post-accumulate-grad hook on each parameter sets it, which only autograd's accumulation
+    fires: an in-place edit of the gradients (`clip_grad_norm_`) leaves it as it was. The hooks
+    hold this flag, not the GradientBuffer, so they keep nothing else alive.
+    """
+
+    def __init__(self) -> None:
+        self.since_unscale = True  # gradients copied in at attach may be unscaled once
+
+    def mark(self, param: torch.Tensor) -> None:
+        self.since_unscale = True
+
+
 class GradientBuffer:
     """The gradients of a list of parameters, kept in one flat buffer per dtype.
 
@@ -141,7 +159,9 @@ class GradientBuffer:
         self._buffers = buffers
         self._compiled = compiled
         self._view_pointers = tuple(view.data_ptr() for view in views)
-        self._versions_at_unscale: tuple[int, ...] | None = None
+        self._accumulation = _Accumulation()
+        for param in params:
+            param.register_post_accumulate_grad_hook(self._accumulation.mark)  # type: ignore[no-untyped-call]
 
     @classmethod
     def attach(cls, params: Iterable[torch.Tensor], *, compiled: bool = True) -> GradientBuffer:
@@ -240,6 +260,7 @@ class GradientBuffer:
         """Zeros every gradient, one fill per buffer, and re-attaches any `.grad` set to None or replaced."""
         for buffer in self._buffers:
             buffer.zero_()
+        self._accumulation.since_unscale = True  # gradients written by hand after this unscale once
         for param, view in zip(self._params, self._views, strict=True):
             if param.grad is not view:
                 param.grad = view
@@ -261,9 +282,11 @@ class GradientBuffer:
             (on the device: nothing is read on the host), and the adjusted scaler state.
 
         Raises:
-            RuntimeError: As `flat`, if a `.grad` is no longer its view; or if nothing has written
-                the gradients since the last `unscale_` or `unscale_and_clip_` (they would be
-                unscaled twice).
+            RuntimeError: As `flat`, if a `.grad` is no longer its view; or if neither a backward
+                nor `zero_()` has renewed the gradients since the last `unscale_` or
+                `unscale_and_clip_` (they would be unscaled twice; an in-place edit such as
+                `clip_grad_norm_` renews nothing, and gradients written by hand need a `zero_()`
+                first).
             TypeError, ValueError: As `fused_unscale_and_adjust`, for a wrong scaler or one on
                 another device than the gradients.
         """
@@ -302,12 +325,11 @@ class GradientBuffer:
 
     def _unscalable_buffers(self) -> tuple[torch.Tensor, ...]:
         buffers = self.flat()
-        # Views share their base's version counter, so a backward or a zeroing since the last
-        # unscale shows as a new version.
-        if self._versions_at_unscale == tuple(buffer._version for buffer in buffers):
+        if not self._accumulation.since_unscale:
             raise RuntimeError(
-                "the gradients were already unscaled: nothing has written them since, so they would be "
-                "unscaled twice; zero_() and run a backward first"
+                "the gradients were already unscaled: no backward has accumulated into them since, nor has "
+                "zero_() cleared them (an in-place edit such as clip_grad_norm_ counts as neither), so they "
+                "would be unscaled twice; zero_() and run a backward (or write new gradients) first"
             )
         return buffers
 
@@ -317,7 +339,7 @@ class GradientBuffer:
         for buffer, values in zip(buffers, results, strict=True):
             if values.data_ptr() != buffer.data_ptr():
                 buffer.copy_(values)
-        self._versions_at_unscale = tuple(buffer._version for buffer in buffers)
+        self._accumulation.since_unscale = False
 
     def _check_owns(self, optimizer: torch.optim.Optimizer) -> None:
         """Raises if `optimizer` steps a parameter whose gradient no GradientBuffer holds (no `unscale_` saw it).

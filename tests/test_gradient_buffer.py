@@ -133,6 +133,10 @@ def test_gradients_are_not_unscaled_twice() -> None:
         buffer.unscale_(scaler)
         with pytest.raises(RuntimeError, match="the gradients were already unscaled"):
             buffer.unscale_(scaler)
+        # An in-place edit, as clip_grad_norm_ makes even where it clips nothing, is no backward.
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        with pytest.raises(RuntimeError, match="no backward has accumulated into them since, nor has zero_"):
+            buffer.unscale_and_clip_(scaler, 1.0)
         buffer.zero_()
         loss_of(model, torch.randn(5, 6)).backward()
         buffer.unscale_(scaler)
@@ -151,7 +155,11 @@ def sparse_grad_param() -> torch.Tensor:
 BAD_PARAMS: dict[str, tuple[Callable[[], list[Any]], type[Exception], str]] = {
     "empty": (lambda: [], ValueError, r"params is empty"),
     "not a tensor": (lambda: [torch.zeros(2, requires_grad=True), 3.0], TypeError, r"params\[1\] is a float"),
-    "no grad": (lambda: [torch.zeros(2)], ValueError, r"params\[0\] \(shape \(2,\), torch.float32\) does not require"),
+    "no grad": (
+        lambda: [torch.zeros(2)],
+        ValueError,
+        r"params\[0\] \(shape \(2,\), torch.float32\) does not require.* if p.requires_grad\)",
+    ),
     "not a leaf": (lambda: [torch.zeros(2, requires_grad=True) * 2], ValueError, r"params\[0\] .* not a leaf"),
     "sparse": (
         lambda: [torch.zeros(2, 2).to_sparse().requires_grad_()],
@@ -254,6 +262,7 @@ def test_unscale_writes_the_unscaled_values_over_the_gradients_and_checks_them(s
         assert all(a is b for a, b in zip(buffer.flat(), flat, strict=True))
         assert params[0].grad is not None and params[0].grad.tolist() == [1.0, -2.0, 0.125]
         assert params[1].grad is not None and bool((params[1].grad == 0.5 + 1.0j).all())
+        buffer.zero_()  # gradients written by hand: zero_() first, or the next unscale_ is refused
         params[1].grad[0, 1] = complex(float("nan"), 0.0)
         grads_finite, _ = buffer.unscale_(scaler)
         assert not bool(grads_finite)

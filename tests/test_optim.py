@@ -21,7 +21,7 @@ SGD_CONFIGS = [
     {"lr": 0.05, "momentum": 0.8, "nesterov": True},
 ]
 ADAM_CONFIGS = [
-    {"lr": 1e-2},
+    {"lr": 1e-2, "eps": 1e-7},  # the default 1e-8 rounds to 0 in float16, which fmp refuses
     {"lr": 1e-2, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1},
 ]
 
@@ -112,11 +112,11 @@ def test_a_0_dim_16_bit_param_rounds_adams_denominator_as_torch_does(
     if not in_place:
         monkeypatch.setattr(importlib.import_module("fmp.optim.adam"), "writes_in_place", lambda *trees: False)
     params, grads = {"t": torch.tensor(0.7, dtype=dtype)}, {"t": torch.tensor(0.3, dtype=dtype)}
-    optimizer = fmp.optim.adam(1e30)
+    optimizer = fmp.optim.adam(1e30, eps=1e-7)
     ours, _ = optimizer.update(grads, optimizer.init(params), params)
     reference = torch.nn.Parameter(params["t"].clone())
     reference.grad = grads["t"].clone()
-    torch.optim.Adam([reference], lr=1e30, foreach=False).step()
+    torch.optim.Adam([reference], lr=1e30, eps=1e-7, foreach=False).step()
     assert_trees_bitwise_equal(ours, {"t": reference.detach()})
 
 
@@ -253,3 +253,53 @@ def test_state_and_grads_with_keys_in_another_order_are_taken_key_by_key(optimiz
         [{k: f[k] for k in sorted(f)} if isinstance(f, dict) else f for f in s] for s in (new_state, expected_state)
     ]
     assert_trees_bitwise_equal(*by_key)
+
+
+@pytest.mark.parametrize("optimizer_of", [fmp.optim.adam, fmp.optim.adamw], ids=["adam", "adamw"])
+def test_an_eps_that_rounds_to_0_in_a_params_dtype_is_refused(optimizer_of: Callable[..., fmp.optim.Optimizer]) -> None:
+    # In float16 eps=1e-8 is 0: torch.optim.Adam turns a param whose gradient is 0 into NaN and one
+    # whose gradient is small into inf, with finite gradients, so a mixed-precision step applies it.
+    params = {"w": torch.ones(4, dtype=torch.float16), "b": torch.ones(2)}
+    grads = {"w": torch.tensor([0.0, 1e-3, 1e-2, 1.0], dtype=torch.float16), "b": torch.ones(2)}
+    reference = torch.nn.Parameter(params["w"].clone())
+    reference.grad = grads["w"].clone()
+    torch.optim.Adam([reference], lr=1e-3, foreach=False).step()
+    assert not bool(reference.isfinite().all())
+    message = r"eps=1e-08 rounds to 0 in torch.float16, params\['w'\]'s dtype.*eps >= 5.96e-08"
+    with pytest.raises(ValueError, match=message):
+        optimizer_of(1e-3).init(params)
+    f32_state = optimizer_of(1e-3).init({"w": torch.ones(4), "b": torch.ones(2)})
+    with pytest.raises(ValueError, match=message):  # at update too: the state may come from elsewhere
+        optimizer_of(1e-3).update(
+            grads,
+            f32_state._replace(
+                exp_avg={"w": torch.zeros(4, dtype=torch.float16), "b": torch.zeros(2)},
+                exp_avg_sq={"w": torch.zeros(4, dtype=torch.float16), "b": torch.zeros(2)},
+            ),
+            params,
+        )
+    new_params, _ = optimizer_of(1e-3, eps=1e-7).update(grads, optimizer_of(1e-3, eps=1e-7).init(params), params)
+    assert all(bool(p.isfinite().all()) for p in new_params.values())
+    # bfloat16 has float32's exponent range: 1e-8 is no 0 there.
+    optimizer_of(1e-3).init({"w": torch.ones(4, dtype=torch.bfloat16)})
+
+
+@pytest.mark.parametrize(
+    ("params", "found"),
+    [({"w": torch.ones(3, dtype=torch.long)}, "a torch.int64 tensor"), ({"w": torch.ones(3), "n": None}, "a NoneType")],
+    ids=["integer", "none"],
+)
+@pytest.mark.parametrize(
+    "optimizer",
+    [fmp.optim.sgd(0.1), fmp.optim.sgd(0.1, momentum=0.9), fmp.optim.adamw()],
+    ids=["sgd", "momentum", "adamw"],
+)
+def test_params_an_optimizer_cannot_update_are_named(
+    params: dict[str, Any], found: str, optimizer: fmp.optim.Optimizer
+) -> None:
+    # sgd with momentum handed an integer param back as float32; others failed deep inside torch.
+    message = rf"params\['[wn]'\] is {found}; an optimizer updates floating-point or complex tensors only"
+    with pytest.raises(TypeError, match=message):
+        optimizer.update(params, optimizer.init({"w": torch.ones(3)}), params)
+    with pytest.raises(TypeError, match=message):  # and at init, where the optimizer keeps state
+        fmp.optim.adam().init(params)

@@ -24,7 +24,7 @@ import fmp
 OPTIMIZERS = {
     "sgd": fmp.optim.sgd(0.1),
     "sgd_momentum": fmp.optim.sgd(0.1, momentum=0.9, nesterov=True),
-    "adamw": fmp.optim.adamw(1e-2),
+    "adamw": fmp.optim.adamw(1e-2, eps=1e-7),  # eps nonzero in float16 too
 }
 
 

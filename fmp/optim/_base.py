@@ -60,6 +60,22 @@ def check_state(name: str, state: Any, expected: type) -> None:
         )
 
 
+def check_params(name: str, params: Any) -> None:
+    """Raises a TypeError naming the first leaf of `params` that is not a floating-point or complex tensor.
+
+    An optimizer's arithmetic would otherwise fail deep inside torch (`None`, an integer tensor's
+    lerp) or, worse, promote an integer param to float32 and hand it back in another dtype.
+    """
+    for path, param in pytree.tree_flatten_with_path(params)[0]:
+        if isinstance(param, torch.Tensor) and (param.is_floating_point() or param.is_complex()):
+            continue
+        found = f"a {param.dtype} tensor" if isinstance(param, torch.Tensor) else f"a {type(param).__name__}"
+        raise TypeError(
+            f"{name}: params{pytree.keystr(path)} is {found}; an optimizer updates floating-point or complex "
+            f"tensors only (leave integer buffers and None out of params)"
+        )
+
+
 def leaves_like_params(
     name: str, params: Any, trees: Mapping[str, Any]
 ) -> tuple[pytree.TreeSpec, list[Any], list[list[Any]], list[pytree.TreeSpec | None]]:
@@ -81,9 +97,12 @@ def leaves_like_params(
         differs so (else None), for `unflatten_as`.
 
     Raises:
+        TypeError: Naming the first param that is not a floating-point or complex tensor.
         ValueError: Naming the tree and the first key, shape or dtype that differs.
     """
     param_leaves, param_spec = pytree.tree_flatten(params)
+    if not all(isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()) for x in param_leaves):
+        check_params(name, params)  # names the leaf (a path flatten only for the message)
     all_leaves, own_specs = [], []
     for what, tree in trees.items():
         hint = "; was the optimizer state created for other params?" if what.startswith("opt_state") else ""

@@ -14,6 +14,7 @@ from fmp._donation import writes_in_place
 from fmp.optim._base import LearningRate
 from fmp.optim._base import Optimizer
 from fmp.optim._base import check_lr
+from fmp.optim._base import check_params
 from fmp.optim._base import check_schedule_start
 from fmp.optim._base import check_state
 from fmp.optim._base import leaves_like_params
@@ -48,6 +49,26 @@ def _like(real: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.view_as_complex(real) if like.is_complex() else real
 
 
+def _check_eps_in_param_dtypes(name: str, eps: float, params: Any, leaves: list[Any]) -> None:
+    """Raises unless `eps` is nonzero in every param's dtype, in which Adam adds it to the denominator.
+
+    In float16, eps=1e-8 rounds to 0: a param whose gradients are all 0 (or below ~5e-3, whose
+    squares underflow) divides by 0 and becomes NaN or inf, with finite gradients, so the step is
+    applied. Read from the dtypes alone: no sync.
+    """
+    for dtype in dict.fromkeys(leaf.dtype for leaf in leaves):
+        info = torch.finfo(dtype)
+        if 2 * eps <= info.tiny * info.eps:  # at most half the smallest subnormal: rounds to 0
+            key = next(
+                pytree.keystr(path) for path, leaf in pytree.tree_flatten_with_path(params)[0] if leaf.dtype == dtype
+            )
+            raise ValueError(
+                f"{name}: eps={eps} rounds to 0 in {dtype}, params{key}'s dtype, where it is added to the "
+                f"denominator: an element whose gradients are all 0 or tiny would become NaN or inf. Keep the "
+                f"params in float32 (a policy's params=float32) or give eps >= {info.tiny * info.eps:.3g}"
+            )
+
+
 def _adam(
     lr: LearningRate, betas: tuple[float, float], eps: float, weight_decay: float, *, decoupled: bool
 ) -> Optimizer:
@@ -66,6 +87,8 @@ def _adam(
     weight_decay = check_real("weight_decay", weight_decay, 0.0, math.inf)
 
     def init(params: Any) -> AdamState:
+        check_params(name, params)
+        _check_eps_in_param_dtypes(name, eps, params, pytree.tree_leaves(params))
         step = step_counter(params)
         check_schedule_start(lr, step, name)
         return AdamState(step, tree_zeros_like(params), tree_zeros_like(params))
@@ -74,6 +97,7 @@ def _adam(
         check_state(name, state, AdamState)
         trees = {"grads": grads, "opt_state.exp_avg": state.exp_avg, "opt_state.exp_avg_sq": state.exp_avg_sq}
         spec, param_leaves, leaves, specs = leaves_like_params(name, params, trees)
+        _check_eps_in_param_dtypes(name, eps, params, param_leaves)
         grad_leaves, exp_avg_leaves, exp_avg_sq_leaves = leaves
         # A schedule sees the applied steps before this one; a float lr passes through as is. A
         # scheduled lr is taken in double precision, as torch takes a Python float lr.

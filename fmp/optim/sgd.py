@@ -14,6 +14,7 @@ from fmp._checks import check_real
 from fmp.optim._base import LearningRate
 from fmp.optim._base import Optimizer
 from fmp.optim._base import check_lr
+from fmp.optim._base import check_params
 from fmp.optim._base import check_schedule_start
 from fmp.optim._base import check_state
 from fmp.optim._base import leaves_like_params
@@ -118,6 +119,7 @@ def sgd(
     name = "sgd with momentum" if momentum else "sgd with an lr schedule"
 
     def init(params: Any) -> SgdState:
+        check_params(name, params)
         step = step_counter(params)
         check_schedule_start(lr, step, name)
         return SgdState(step, tree_zeros_like(params) if momentum else ())
