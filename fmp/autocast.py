@@ -26,6 +26,7 @@ from types import FunctionType
 from typing import Any
 from typing import ParamSpec
 from typing import TypeVar
+from typing import cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -204,6 +205,11 @@ class AutocastMode(TorchFunctionMode):
             return _call(func, args, kwargs)
         if any(isinstance(a, torch.dtype) for a in args):
             return _call(func, args, kwargs)
+        if name == "einsum" and self._einsum_as_torch_cpu(target, args, kwargs):
+            # Which pairs torch contracts with bmm (cast) and which with mul (promoting) depends on
+            # the shapes and the contraction order: torch.autocast("cpu") itself casts at its bmms.
+            with torch.autocast("cpu", dtype=cast(torch.dtype, target)):
+                return _call(func, args, kwargs)
         if isinstance(target, torch.dtype):
             args, kwargs = _cast_to((args, kwargs), target)
             return _call(func, args, kwargs)
@@ -217,6 +223,20 @@ class AutocastMode(TorchFunctionMode):
     def _inside_torch_autocast(self) -> bool:
         """Whether the call comes from inside a `torch.autocast` region entered after this region's."""
         return self._torch_nesting is not None and _torch_autocast_nesting() > self._torch_nesting
+
+    def _einsum_as_torch_cpu(self, target: Target, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+        """Whether to run an einsum on CPU tensors under torch.autocast("cpu"), whose casts are the rules'.
+
+        Where the rules do not list einsum itself (the CPU set) and it reaches bmm, whose rule is the
+        lower dtype: torch casts the inputs of each bmm inside, and of nothing else einsum runs.
+        """
+        tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        return (
+            "einsum" not in self.table
+            and target in (torch.float16, torch.bfloat16)
+            and target == self.table.get("bmm")
+            and all(x.device.type == "cpu" for x in tensors)
+        )
 
     def _target(self, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Target | None:
         """The rule of the first op on the call's path that the table lists; None if none does."""

@@ -465,6 +465,9 @@ COMPOSITES: dict[str, Callable[[], Any]] = {
     "einsum_sum": lambda: torch.einsum("ij->j", torch.randn(3, 3)),  # no bmm: not cast
     "einsum_outer": lambda: torch.einsum("i,j->ij", torch.randn(3), torch.randn(4)),  # no bmm
     "einsum_mul": lambda: torch.einsum("ij,ij->ij", torch.randn(3, 3), torch.randn(3, 3)),  # no bmm
+    # bmm for the first pair, then a mul by the float32 third operand: float32 out.
+    "einsum_ends_in_mul": lambda: torch.einsum("i,i,j->j", torch.randn(3), torch.randn(3), torch.randn(4)),
+    "einsum_size_1": lambda: torch.einsum("bij,bjk->bik", torch.randn(2, 3, 1), torch.randn(2, 1, 4)),  # a mul
     "tensordot": lambda: torch.tensordot(torch.randn(3, 4), torch.randn(4, 5), 1),
     "inner": lambda: torch.inner(torch.randn(3, 4), torch.randn(5, 4)),
     "multi_dot": lambda: torch.linalg.multi_dot([torch.randn(2, 3), torch.randn(3, 4), torch.randn(4, 2)]),
@@ -525,3 +528,27 @@ def test_compiled_casts_inside_python_composites_like_eager() -> None:
         q = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(seed))
         pytree.tree_map(torch.testing.assert_close, step(params, q), eager(params, q))
     assert backend.frame_count == 1
+
+
+@pytest.mark.parametrize(
+    ("equation", "shapes"),
+    [
+        ("i,i,j->j", [(3,), (3,), (4,)]),
+        ("bij,bjk->bik", [(2, 3, 1), (2, 1, 4)]),
+        ("ij,jk,kl->il", [(3, 4), (4, 5), (5, 2)]),
+    ],
+)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_cpu_rules_run_einsum_bit_for_bit_as_torch_autocast_cpu(
+    equation: str, shapes: list[tuple[int, ...]], compiled: bool
+) -> None:
+    # torch casts the inputs of each bmm its einsum reaches, and not those of a mul it ends with.
+    gen = torch.Generator().manual_seed(0)
+    operands = [torch.randn(shape, generator=gen) for shape in shapes]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = torch.einsum(equation, *operands)
+    ours = autocast(functools.partial(torch.einsum, equation), torch.bfloat16, rules="cpu")
+    if compiled:
+        ours = torch.compile(ours, fullgraph=True, backend="aot_eager")
+    out = ours(*operands)
+    assert out.dtype == expected.dtype and torch.equal(out, expected)
