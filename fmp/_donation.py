@@ -15,7 +15,6 @@ from typing import cast
 
 import torch
 import torch.utils._pytree as pytree
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from fmp.tree import selectable_pairs
 
@@ -143,9 +142,12 @@ def copy_aliases(tree: Tree, donated: Any) -> Tree:
 
     For results a donated call returns beside the donated state (a loss function's `aux` that hands
     back a param, a view of one or its `detach()`): copied before the writes, they keep the values
-    they had. Eager, sharing is read from the storages. Compiling, storages cannot be traced, so a
-    tensor is copied where it, or the tensor it is a view of, is a donated tensor or has one's
-    dtype, device and shape; an unrelated tensor that matches costs one copy.
+    they had. Eager, sharing is read from the storages, and the plain tensors that share one are
+    copied; a tensor subclass is left as it is (its storage need not be its values', and some
+    cannot even be copied). Compiling,
+    storages cannot be traced, and a detached view of a donated tensor keeps no link to it, so
+    every tensor is copied: one copy of the loss and `aux` per step, which Inductor folds into the
+    kernel that computes them where it can.
 
     Args:
         tree: The results to protect.
@@ -154,32 +156,19 @@ def copy_aliases(tree: Tree, donated: Any) -> Tree:
     Returns:
         `tree`, with new tensors where its tensors may alias `donated`'s.
     """
-    donated_tensors = [x for x in pytree.tree_leaves(donated) if isinstance(x, torch.Tensor)]
     if torch.compiler.is_compiling():
+        return cast(Tree, pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree))
+    storages = {_storage(d) for d in pytree.tree_leaves(donated) if isinstance(d, torch.Tensor) and _plain(d)}
 
-        def may_alias(x: torch.Tensor) -> bool:
-            candidates = [x] if x._base is None else [x, x._base]
-            return any(_may_be(candidate, d) for candidate in candidates for d in donated_tensors)
-
-    else:
-        storages = {_storage(d) for d in donated_tensors if d.layout == torch.strided}
-
-        def may_alias(x: torch.Tensor) -> bool:
-            return x.layout == torch.strided and _storage(x) in storages
+    def may_alias(x: torch.Tensor) -> bool:
+        return _plain(x) and _storage(x) in storages
 
     return cast(Tree, pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) and may_alias(x) else x, tree))
 
 
-def _may_be(x: torch.Tensor, donated: torch.Tensor) -> bool:
-    """Whether traced `x` may be `donated`, its base or an alias of it (`detach()`, say), as far as tracing tells."""
-    if x is donated or x is donated._base:
-        return True
-    same_shape = x.dim() == donated.dim() and all(
-        # Without installing guards: a dynamic size that may differ counts as different.
-        statically_known_true(size == other)
-        for size, other in zip(x.shape, donated.shape, strict=True)
-    )
-    return x.dtype == donated.dtype and x.device == donated.device and same_shape
+def _plain(x: torch.Tensor) -> bool:
+    """Whether `x` is a plain strided tensor, whose storage holds its values."""
+    return type(x) in (torch.Tensor, torch.nn.Parameter) and x.layout == torch.strided
 
 
 def donate_into(donated: Tree, new: Tree) -> Tree:

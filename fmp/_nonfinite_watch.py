@@ -196,7 +196,7 @@ class ModuleStack:
 class _Label(NamedTuple):
     op: str
     module: nn.Module | None
-    forward_finite: bool  # whether the call's outputs were all finite
+    forward_made: str  # the non-finite kinds among the call's outputs (`kinds`), "" if all finite
 
 
 def _intends_nonfinite(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -225,11 +225,13 @@ class ForwardWatch(TorchFunctionMode):
         held = kinds(inputs)
         largest = _largest_magnitude(inputs) if self.found is None else math.nan
         out = func(*args, **kwargs)
-        outputs = floating(out)
+        written = args[0] if _op_name(func) == "__setitem__" and args else None
+        # Indexed assignment returns None: what it made is in the tensor it wrote.
+        outputs = floating(out if written is None else written)
         if not outputs:
             return out
         made = kinds(outputs)
-        label = _Label(_op_name(func), self.modules.current(), not made)
+        label = _Label(_op_name(func), self.modules.current(), made)
         for x in outputs:
             if x.grad_fn is not None:
                 self.labels.setdefault(x.grad_fn, label)
@@ -238,12 +240,22 @@ class ForwardWatch(TorchFunctionMode):
         return out
 
 
+def _function_label(node: Any) -> _Label | None:
+    """A custom autograd.Function's own name for its backward node, whose `apply` the forward watch never sees."""
+    if not isinstance(node, torch.autograd.function.BackwardCFunction):
+        return None
+    function = node._forward_cls  # type: ignore[attr-defined]
+    return _Label(f"{function.__name__}.apply", None, "")
+
+
 class BackwardWatch:
     """Hooks every gradient function under a loss; `found` holds the first to make inf or NaN.
 
-    A gradient function counts only where its forward call's outputs were finite: one that meets
-    the forward's inf or NaN passes it on rather than making it. A node inside a composite call
-    (no call returned its output) takes the label of the call it feeds.
+    A gradient function counts where it makes a kind of non-finite value that neither its incoming
+    gradients nor its forward call's outputs held: exp's backward meeting the forward's inf passes
+    it on, but log's turning a masked log(0)'s -inf and a zero gradient into NaN (the gradient of
+    `torch.where(x > 0, x.log(), 0)`) makes it. A node inside a composite call (no call returned
+    its output) takes the label of the call it feeds.
 
     Args:
         root: The loss's gradient function.
@@ -254,23 +266,23 @@ class BackwardWatch:
         self.found: Found | None = None
         self.handles: list[Any] = []
         seen: set[Any] = set()
-        stack = [(root, labels.get(root, _Label("", None, True)))]
+        stack = [(root, labels.get(root, _Label("", None, "")))]
         while stack:
             node, inherited = stack.pop()
             if node is None or node in seen or hasattr(node, "variable"):  # AccumulateGrad: a leaf
                 continue
             seen.add(node)
-            label = labels.get(node, inherited)
+            label = labels.get(node) or _function_label(node) or inherited
             self.handles.append(node.register_hook(self._hook(node, label)))
             stack.extend((next_node, label) for next_node, _ in node.next_functions)
 
     def _hook(self, node: Any, label: _Label) -> Any:
         def hook(grad_inputs: Any, grad_outputs: Any) -> None:
-            if self.found is not None or not label.forward_finite:
+            if self.found is not None:
                 return
             incoming, made = floating(grad_outputs), floating(grad_inputs)
             held = kinds(incoming)
-            if made and _new_kinds(held, kinds(made)):
+            if made and _new_kinds(f"{held} {label.forward_made}", kinds(made)):
                 largest = _largest_magnitude(incoming)
                 self.found = _found(label.op, node.name(), label.module, incoming, made, held, largest)
 

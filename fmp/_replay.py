@@ -18,6 +18,7 @@ from torch import nn
 
 from fmp.autocast import AutocastMode
 from fmp.autocast import _active_modes
+from fmp.module_policy import patched_modules
 
 __all__ = ["Ambient"]
 
@@ -30,13 +31,24 @@ class Ambient:
 
     Args:
         devices: The devices of the call's tensors; their torch.autocast state and generators are kept.
-        rng: Whether to keep the generators' states (the CPU's and each accelerator's in `devices`).
-        modules: Modules whose instance-level `forward` (as `fmp.module_policies` patches it) is kept.
+        rng: Whether to keep the generators' states: the CPU's, each accelerator's in `devices`, and
+            `generators`.
+        modules: Modules whose instance-level `forward` (as `fmp.module_policies` patches it) is kept,
+            besides those the `module_policies` calls now running have patched.
+        generators: `torch.Generator`s the call was given, which its random ops may draw from.
     """
 
-    def __init__(self, devices: Iterable[torch.device], rng: bool, modules: Iterable[nn.Module]) -> None:
+    def __init__(
+        self,
+        devices: Iterable[torch.device],
+        rng: bool,
+        modules: Iterable[nn.Module],
+        generators: Iterable[torch.Generator] = (),
+    ) -> None:
         devices = set(devices)
-        self.region: AutocastMode | None = _active_modes()[-1] if _active_modes() else None
+        region = _active_modes()[-1] if _active_modes() else None
+        # Inside a torch.autocast region entered within the fmp one, torch's state governs (replayed below).
+        self.region: AutocastMode | None = None if region is None or region.inside_torch_autocast() else region
         kinds = sorted({d.type for d in devices} | {"cpu"})
         self.autocast = [
             (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
@@ -45,7 +57,9 @@ class Ambient:
         ]
         self.rng_devices = sorted((d for d in devices if d.type != "cpu"), key=str) if rng else []
         self.rng_states = self._rng_snapshot() if rng else []
-        self.forwards = [(module.__dict__, module.__dict__.get(_FORWARD)) for module in modules]
+        self.generators = [(generator, generator.get_state()) for generator in generators] if rng else []
+        kept = {id(module): module for module in [*modules, *patched_modules()]}
+        self.forwards = [(module.__dict__, module.__dict__.get(_FORWARD)) for module in kept.values()]
 
     def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Calls `fn` inside the recorded fmp autocast region, if there was one."""
@@ -63,6 +77,9 @@ class Ambient:
                 # The generators go back to where they were, so the recompute draws nothing from them.
                 stack.callback(self._set_rng, self._rng_snapshot())
                 self._set_rng(self.rng_states)
+            for generator, state in self.generators:
+                stack.callback(generator.set_state, generator.get_state())
+                generator.set_state(state)
             for attrs, forward in self.forwards:
                 stack.callback(_set_forward, attrs, attrs.get(_FORWARD))
                 _set_forward(attrs, forward)

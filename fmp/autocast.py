@@ -176,11 +176,14 @@ class AutocastMode(TorchFunctionMode):
         """
         stack = _active_modes()
         stack.append(self)
-        self._torch_nesting = _torch_autocast_nesting()
+        # A mode run again inside its own run (fmp.remat's recompute) takes the present nesting as
+        # its baseline for that call only.
+        outer_nesting, self._torch_nesting = self._torch_nesting, _torch_autocast_nesting()
         try:
             with self:
                 return fn(*args, **kwargs)
         finally:
+            self._torch_nesting = outer_nesting
             stack.pop()
 
     def __torch_function__(
@@ -188,7 +191,7 @@ class AutocastMode(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         stack = _active_modes()
-        if not self.table or (stack and stack[-1] is not self) or self._inside_torch_autocast():
+        if not self.table or (stack and stack[-1] is not self) or self.inside_torch_autocast():
             # Off, or an outer region reached from an inner one (which has already cast), or from
             # a torch.autocast region entered inside this one (model code's `enabled=False`): the
             # innermost region's rules are the only ones applied.
@@ -220,8 +223,8 @@ class AutocastMode(TorchFunctionMode):
             return _call(func, args, kwargs)
         raise RuntimeError(_BCE_FLOAT16_ERROR)  # Cast.FLOAT32_UNLESS_FLOAT16 under float16
 
-    def _inside_torch_autocast(self) -> bool:
-        """Whether the call comes from inside a `torch.autocast` region entered after this region's."""
+    def inside_torch_autocast(self) -> bool:
+        """Whether the present call comes from inside a `torch.autocast` region entered within this one's `run`."""
         return self._torch_nesting is not None and _torch_autocast_nesting() > self._torch_nesting
 
     def _einsum_as_torch_cpu(self, target: Target, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:

@@ -141,6 +141,17 @@ def _lstm_path(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Path:
     return () if packed else ("mkldnn_rnn_layer",)
 
 
+def _sparse_mm_path(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Path:
+    # torch.sparse.mm reaches mm for a dense second matrix and no reduction; a sparse one goes to
+    # sparse_sparse_matmul and a reduction to _sparse_mm_reduce_impl, which torch.autocast leaves alone.
+    dense = argument(args, kwargs, 1, "mat2").layout == torch.strided
+    return ("mm",) if dense and argument(args, kwargs, 2, "reduce") is None else ()
+
+
+def _sparse_addmm_path(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Path:
+    return ("addmm",) if argument(args, kwargs, 2, "mat2").layout == torch.strided else ()
+
+
 # Ops that reach one other op on their inputs, whatever the arguments. fmp casts the whole call by
 # that op's rule, so arithmetic torch runs before it (pairwise_distance's subtraction, trapezoid's
 # additions) runs in that dtype too.
@@ -152,7 +163,7 @@ CALLS: dict[str, str] = {
     "view_as_complex_copy": "view_as_complex",
     # C++ composites.
     "square": "pow", "pairwise_distance": "norm", "norm_except_dim": "norm", "trapezoid": "sum", "trapz": "sum",
-    "cumulative_trapezoid": "cumsum", "linalg_multi_dot": "mm", "_sparse_mm": "mm", "_sparse_addmm": "addmm",
+    "cumulative_trapezoid": "cumsum", "linalg_multi_dot": "mm",
     # Tensor's Python methods (torch._tensor), whose bodies the mode does not see.
     "__rmatmul__": "matmul", "lu": "_lu_with_info",
 }  # fmt: skip
@@ -168,6 +179,8 @@ ROUTES: dict[str, Callable[[tuple[Any, ...], Mapping[str, Any]], Path]] = {
     "pad": _pad_path,
     "sum_to_size": _sum_to_size_path,
     "lstm": _lstm_path,
+    "_sparse_mm": _sparse_mm_path,
+    "_sparse_addmm": _sparse_addmm_path,
 }
 
 

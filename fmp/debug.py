@@ -86,7 +86,9 @@ class NonFiniteOrigin:
             held = f"{inputs} inputs holding {self.inputs_held} (finite values of magnitude at most {largest})"
         else:
             held = f"finite {inputs} inputs of magnitude at most {largest}"
-        return f"`{self.op}`{node}{where}: {self.made} in its {dtypes} output{bound}, from {held}"
+        # No call of the loss function made it (fmp's cast of the loss, say): the node names it.
+        op = f"`{self.op}`{node}" if self.op else node.strip().removeprefix("(").removesuffix(")")
+        return f"{op}{where}: {self.made} in its {dtypes} output{bound}, from {held}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +145,13 @@ class NonFiniteReport:
             # Absorbed on the way to the loss (a mask, a saturating op): not what a skip is about.
             absorbed = "the forward's inf or NaN did not reach the loss (a mask or a saturating op took it in)"
             backward = self._hints_for_backward()
+            if self.backward is not None and self.backward.made == "NaN":
+                backward.insert(
+                    0,
+                    "but that op's backward turned its masked inf and the mask's zero gradient into NaN: make "
+                    "the masked values finite before the op (torch.where(mask, x, 1).log(), not "
+                    "torch.where(mask, x.log(), 0))",
+                )
             return [absorbed, *backward] if backward or not self.finite else [absorbed]
         if self.forward and torch.float16 in self.forward.output_dtypes:
             return [
@@ -154,6 +163,15 @@ class NonFiniteReport:
         return self._hints_for_backward()
 
     def _hints_for_backward(self) -> list[str]:
+        float16_max = torch.finfo(torch.float16).max
+        backward = self.backward
+        # No call of the loss function made it: fmp's cast of a float16 loss, carrying the seed.
+        seed = backward is not None and not backward.op and torch.float16 in backward.output_dtypes
+        if seed and self.loss_scale > float16_max:
+            return [
+                f"the float16 loss cannot carry the scaled gradient seed ({self.loss_scale:g} > {float16_max:g}): "
+                "reduce the loss in float32 (a policy's output=float32) or start from a smaller init_scale"
+            ]
         if self.backward and self.loss_scale > 1:
             return [
                 "the scaled backward pass overflowed: a DynamicLossScale backs off and retries; if it "

@@ -12,6 +12,7 @@ torch optimizer skip an overflowed step on the device.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Iterable
 from typing import Any
 from typing import TypeVar
@@ -123,6 +124,11 @@ class _Accumulation:
         self.since_unscale = True
 
 
+def _remove_hooks(hooks: list[Any]) -> None:
+    for hook in hooks:
+        hook.remove()
+
+
 class GradientBuffer:
     """The gradients of a list of parameters, kept in one flat buffer per dtype.
 
@@ -160,8 +166,13 @@ class GradientBuffer:
         self._compiled = compiled
         self._view_pointers = tuple(view.data_ptr() for view in views)
         self._accumulation = _Accumulation()
-        for param in params:
+        hooks = [
             param.register_post_accumulate_grad_hook(self._accumulation.mark)  # type: ignore[no-untyped-call]
+            for param in params
+        ]
+        # Taken off the parameters with the handle: a buffer attached again (after moving the
+        # model, say) leaves no hooks of the old one behind to run on every backward.
+        weakref.finalize(self, _remove_hooks, hooks)
 
     @classmethod
     def attach(cls, params: Iterable[torch.Tensor], *, compiled: bool = True) -> GradientBuffer:
@@ -328,8 +339,9 @@ class GradientBuffer:
         if not self._accumulation.since_unscale:
             raise RuntimeError(
                 "the gradients were already unscaled: no backward has accumulated into them since, nor has "
-                "zero_() cleared them (an in-place edit such as clip_grad_norm_ counts as neither), so they "
-                "would be unscaled twice; zero_() and run a backward (or write new gradients) first"
+                "zero_() cleared them (an in-place edit such as clip_grad_norm_ or optimizer.zero_grad() counts "
+                "as neither), so they would be unscaled twice; zero_() and run a backward (or write new "
+                "gradients) first"
             )
         return buffers
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import threading
 import warnings
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -157,6 +158,24 @@ def _policy_forward(match: _Match, forward: Callable[..., Any], ran: set[str]) -
     return policy_forward
 
 
+class _Patched(threading.local):
+    # Set up in each thread on first touch, as fmp.autocast's region stack (Dynamo traces it alike).
+    def __init__(self) -> None:
+        self.modules: list[nn.Module] = []
+
+
+# The modules whose forwards the module_policies calls running on this thread have patched.
+_PATCHED = _Patched()
+
+
+def patched_modules() -> tuple[nn.Module, ...]:
+    """The modules whose forwards `module_policies` calls running on this thread have patched, outermost first.
+
+    `fmp.remat` keeps their forwards for its recompute, which runs after the call has put them back.
+    """
+    return tuple(_PATCHED.modules)
+
+
 def _warn_not_run(matches: tuple[_Match, ...], ran: set[str], warned: set[str]) -> None:
     for match in matches:
         if match.name not in ran and match.name not in warned:
@@ -240,9 +259,11 @@ def module_policies(fn: Callable[P, R], model: nn.Module, policies: Mapping[Any,
                 saved.append((attrs, attrs.get(_FORWARD)))
                 attrs[_ACTIVE] = True
                 attrs[_FORWARD] = _policy_forward(match, match.module.forward, ran)
+                _PATCHED.modules.append(match.module)
             out = fn(*args, **kwargs)
         finally:
             for attrs, previous in reversed(saved):
+                _PATCHED.modules.pop()
                 del attrs[_ACTIVE]
                 if previous is None:
                     del attrs[_FORWARD]

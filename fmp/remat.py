@@ -114,9 +114,11 @@ def remat(fn: Callable[P, R], *, preserve_rng_state: bool = True) -> Callable[P,
         fn: The function or `nn.Module` to wrap. Its arguments are pytrees; their floating-point
             and complex tensors that autograd or a torch.func transform tracks are differentiated,
             every other leaf is passed through as a constant. It returns a pytree of tensors.
-        preserve_rng_state: Whether the recompute replays the CPU generator's state and that of
-            each accelerator the inputs live on, so random ops (dropout) draw the same values as
-            the first run; the generators' states are read on the host, with no sync.
+        preserve_rng_state: Whether the recompute replays the CPU generator's state, that of each
+            accelerator the inputs live on and that of every `torch.Generator` among the arguments,
+            so random ops (dropout) draw the same values as the first run; the generators' states
+            are read on the host, with no sync. (A generator the block captures, rather than takes
+            as an argument, is not seen: pass it in.)
 
     Returns:
         A function taking `fn`'s arguments (a module's: its forward's), named after it.
@@ -202,8 +204,9 @@ def _remat_module(module: torch.nn.Module, preserve_rng_state: bool) -> Callable
 
 
 def _ambient(arguments: Any, rng: bool, modules: tuple[torch.nn.Module, ...]) -> Ambient:
-    devices = [x.device for x in pytree.tree_leaves(arguments) if isinstance(x, torch.Tensor)]
-    return Ambient(devices, rng, modules)
+    leaves = pytree.tree_leaves(arguments)
+    devices = [x.device for x in leaves if isinstance(x, torch.Tensor)]
+    return Ambient(devices, rng, modules, [x for x in leaves if isinstance(x, torch.Generator)])
 
 
 def _apply(call: Call, inputs: list[torch.Tensor]) -> Any:

@@ -139,8 +139,8 @@ def train_step(
     window's end (branch-free).
 
     Donation, as `jax.jit`'s `donate_argnums`: with `donate=True` the caller hands over `state` and
-    must not read it after the call; the loss and `aux` it returns keep their values (one that is
-    the state's own tensor, or a view of it, is copied first). Under
+    must not read it after the call; the loss and `aux` it returns keep their values (eager, one
+    that shares the state's memory is copied first; compiled, every one is). Under
     `torch.compile` the step then writes the new values into its buffers instead of allocating new
     ones (the returned state lives in the same buffers), which saves the allocation, the page faults
     of fresh memory on CPU, and peak memory; with the state's tensors marked static

@@ -456,6 +456,17 @@ def _rnn(kind: type[nn.RNNBase], **kwargs: Any) -> Callable[[], Any]:
     return lambda: kind(4, 5, **kwargs)(torch.randn(3, 2, 4))
 
 
+def _csr_beta(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """`fn` run without torch's warning that sparse CSR support is in beta (sparse products go through CSR)."""
+
+    def run() -> Any:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
+            return fn()
+
+    return run
+
+
 # Composites torch splits up in C++: torch.autocast casts their inner matmuls, fmp the whole op.
 COMPOSITES: dict[str, Callable[[], Any]] = {
     "einsum_mm": lambda: torch.einsum("ij,jk->ik", torch.randn(3, 4), torch.randn(4, 5)),
@@ -474,6 +485,8 @@ COMPOSITES: dict[str, Callable[[], Any]] = {
     "lstm": _rnn(nn.LSTM),
     "lstm_packed": lambda: nn.LSTM(4, 5)(pack_padded_sequence(torch.randn(3, 2, 4), [3, 2]))[0].data,  # float32
     "sparse_mm": lambda: torch.sparse.mm(torch.eye(4).to_sparse(), torch.randn(4, 3)),
+    "sparse_mm_sparse": _csr_beta(lambda: torch.sparse.mm(torch.eye(4).to_sparse(), torch.eye(4).to_sparse())),
+    "sparse_mm_reduce": _csr_beta(lambda: torch.sparse.mm(torch.eye(4).to_sparse_csr(), torch.randn(4, 3), "sum")),
     "sparse_addmm": lambda: torch.sparse.addmm(torch.randn(4, 3), torch.eye(4).to_sparse(), torch.randn(4, 3)),
     "rnn_tanh": _rnn(nn.RNN),
     "rnn_relu": _rnn(nn.RNN, nonlinearity="relu"),

@@ -18,6 +18,7 @@ from conftest import mlp_batches
 from conftest import mlp_loss
 from conftest import mlp_params
 from conftest import snapshot
+from torch.testing._internal.two_tensor import TwoTensor
 
 import fmp
 from fmp._donation import copy_aliases
@@ -232,8 +233,10 @@ def test_donating_a_tensor_listed_twice_is_refused() -> None:
 def params_in_aux(
     params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """`mlp_loss`, returning as `aux` the params themselves, a view, a `detach()` and a view of one."""
-    aux = {"w1": params["w1"], "w1_row": params["w1"][0], "w2": params["w2"].detach(), "b1": params["b1"].detach()[2:]}
+    """`mlp_loss`, returning as `aux` the params themselves, views, `detach()`es, and views of them and detached."""
+    w1, w2, b1 = params["w1"], params["w2"], params["b1"]
+    aux = {"w1": w1, "w1_row": w1[0], "w2": w2.detach(), "b1": b1.detach()[2:]}
+    aux |= {"w1_flat": w1.view(-1).detach(), "w1_part": w1[0, :5].detach(), "w1_t": w1.t()[:3].detach()}
     return mlp_loss(params, x, y), aux
 
 
@@ -264,3 +267,5 @@ def test_copy_aliases_copies_only_what_shares_the_donated_storage() -> None:
     assert kept is unrelated
     assert copied_alias is not alias and copied_view is not view
     assert copied_alias.data_ptr() != alias.data_ptr() and torch.equal(copied_view, view)
+    subclass = TwoTensor(donated["b"], donated["b"])  # no storage of its own to compare: left as it is
+    assert copy_aliases(subclass, donated) is subclass

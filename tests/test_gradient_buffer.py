@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -395,3 +396,14 @@ def test_step_names_an_optimizer_parameter_outside_the_buffer() -> None:
     # Parameters in another buffer (one per device, say) are another unscale_'s.
     fmp.GradientBuffer.attach(other.requires_grad_().parameters())
     buffer.step(optimizer, torch.tensor(True))
+
+
+def test_a_buffer_attached_again_leaves_no_hooks_of_the_old_one() -> None:
+    model = make_model()
+    for _ in range(3):  # as after moving the model, which the errors advise
+        buffer = fmp.GradientBuffer.attach(model.parameters(), compiled=False)
+    gc.collect()
+    assert all(len(p._post_accumulate_grad_hooks or {}) == 1 for p in model.parameters())
+    del buffer
+    gc.collect()
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())

@@ -388,3 +388,22 @@ def test_a_group_with_unknown_settings_is_named_without_empty_lists() -> None:
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
     with pytest.raises(ValueError, match=r"SGD state_dict: its param group 0 has unknown settings \['rho'\]$"):
         fmp.optim.from_torch_state_dict("sgd", saved, params, 0)
+
+
+def test_names_a_wrapper_prefixed_match_the_models_own() -> None:
+    # A torch optimizer built on a DDP- or torch.compile-wrapped model names "module.0.weight".
+    model, _, batches = torch_run("adamw", steps=0)
+    prefixed = [(f"module._orig_mod.{name}", p) for name, p in model.named_parameters()]
+    optimizer = torch.optim.AdamW(list(reversed(prefixed)), lr=1e-2)
+    if "param_names" not in optimizer.state_dict()["param_groups"][0]:
+        pytest.skip("this torch saves no param_names")
+    model(batches[0]).square().mean().backward()
+    optimizer.step()
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    _, opt_state = fmp.optim.from_torch_state_dict("adamw", optimizer.state_dict(), params, 1)
+    by_name = {name: p for name, p in model.named_parameters()}
+    for name, buffer in opt_state.exp_avg.items():
+        assert torch.equal(buffer, optimizer.state[by_name[name]]["exp_avg"]), name
+    back = fmp.optim.to_torch_state_dict(opt_state, optimizer)
+    for index, (name, _) in enumerate(reversed(prefixed)):
+        assert torch.equal(back["state"][index]["exp_avg"], opt_state.exp_avg[name.removeprefix("module._orig_mod.")])

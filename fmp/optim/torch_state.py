@@ -31,6 +31,26 @@ _KERNEL_SETTINGS = {"maximize", "foreach", "capturable", "differentiable", "fuse
 _SCHEDULER_SETTINGS = {"initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "swa_lr"}
 
 
+# Prefixes that wrappers add to parameter names: DDP's and FSDP's "module.", torch.compile's "_orig_mod.".
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def _unwrapped(name: str) -> str:
+    """A parameter name without the prefixes wrappers added to it ("module._orig_mod.0.weight" -> "0.weight")."""
+    while name.startswith(_WRAPPER_PREFIXES):
+        name = name.split(".", 1)[1]
+    return name
+
+
+def _fmp_names(torch_names: list[str], fmp_names: list[str]) -> list[str]:
+    """The params' name for each of torch's: the same, or, where a wrapper prefixed them all, without the prefix."""
+    known = set(fmp_names)
+    if all(name in known for name in torch_names):
+        return torch_names
+    unwrapped = [_unwrapped(name) for name in torch_names]
+    return unwrapped if all(name in known for name in unwrapped) else torch_names
+
+
 def _check_groups(kind: str, state_dict: Any, count: int) -> list[dict[str, Any]]:
     """The param groups of a `torch.optim` state_dict of `kind` for `count` parameters, checked."""
     if not isinstance(state_dict, Mapping):
@@ -141,8 +161,10 @@ def from_torch_state_dict(
     With them a run checkpointed under torch.amp goes on under fmp (the loss scale comes over with
     `fmp.DynamicLossScale.from_state_dict`). fmp's optimizers are torch.optim's arithmetic op for
     op, so in float32 the continued run is bit-identical to torch's (tested). The hyperparameters
-    come from the state_dict's param groups; a learning-rate scheduler's state does not (give the
-    returned optimizer's settings a schedule yourself if the run used one). A tensor `lr` is
+    come from the state_dict's param groups, as they stand; a learning-rate scheduler's state does
+    not (give the returned optimizer's settings a schedule yourself if the run used one), and
+    a momentum that OneCycleLR or CyclicLR cycles (Adam's beta1, SGD's momentum) stays at its
+    present value. A tensor `lr` is
     taken as a float: torch's Adam divides a tensor lr by the bias correction in float32 and fmp
     in float64, so such runs agree to about an ulp a step rather than bit for bit.
 
@@ -153,9 +175,10 @@ def from_torch_state_dict(
             result is a `partition` of one optimizer per group, named "group0", "group1", ...
         params: The parameters by name, a flat dict, on the device the state goes to. Where the
             optimizer was built on `model.named_parameters()` (torch >= 2.6 then saves each
-            group's `param_names`), the names decide the groups; otherwise `params` must list
-            the parameters in the order the optimizer was given them, group by group
-            (`model.parameters()` for one group), which only their shapes can check.
+            group's `param_names`), the names decide the groups (names a wrapper prefixed, DDP's
+            "module." or torch.compile's "_orig_mod.", match without the prefix); otherwise
+            `params` must list the parameters in the order the optimizer was given them, group
+            by group (`model.parameters()` for one group), which only their shapes can check.
         applied_steps: Optimizer steps torch applied, skipped ones not counted. torch.optim.SGD keeps
             no count of its own and fmp's `SgdState` does (its first step seeds the momentum
             buffers, a schedule reads it); Adam's own counts in `state_dict` go on, each group's
@@ -210,11 +233,12 @@ def _members(groups: list[dict[str, Any]], names: list[str]) -> list[list[str]]:
     """Each param group's parameter names: by torch's `param_names` where every group has them, else by order."""
     if all("param_names" in group for group in groups):
         known = set(names)
-        for index, group in enumerate(groups):
-            unknown = [str(name) for name in group["param_names"] if str(name) not in known]
+        members = [_fmp_names([str(name) for name in group["param_names"]], names) for group in groups]
+        for index, group_names in enumerate(members):
+            unknown = [name for name in group_names if name not in known]
             if unknown:
                 raise ValueError(f"param group {index} of the state_dict names {unknown}, which params lacks")
-        return [[str(name) for name in group["param_names"]] for group in groups]
+        return members
     # Without names, torch numbers the parameters group by group, in the order it was given them.
     starts = [0, *itertools.accumulate(len(group["params"]) for group in groups)]
     return [names[starts[index] : starts[index + 1]] for index in range(len(groups))]
@@ -288,7 +312,8 @@ def _in_torch_order(
     if "param_names" not in group:
         ordered = {key: list(leaves.values()) for key, leaves in named.items()}
     else:
-        names, held = [str(name) for name in group["param_names"]], next(iter(named.values()))
+        held = next(iter(named.values()))
+        names = _fmp_names([str(name) for name in group["param_names"]], list(held))
         unknown, unlisted = [n for n in names if n not in held], [n for n in held if n not in names]
         if unknown or unlisted:
             problems = [f"names {unknown}, which opt_state{where} lacks"] * bool(unknown)
@@ -370,7 +395,8 @@ def to_torch_state_dict(opt_state: Any, torch_optimizer: torch.optim.Optimizer) 
             `partition`'s state, its groups in the order of `torch_optimizer`'s param groups. Where
             `torch_optimizer` was built on `model.named_parameters()` (torch >= 2.6 keeps each
             group's `param_names`), each parameter gets the state of the param of its name (a
-            key path joined by dots, "0.weight"); otherwise the params must be listed in the
+            key path joined by dots, "0.weight"; a wrapper's "module." or "_orig_mod." prefix
+            on all of torch's names is dropped); otherwise the params must be listed in the
             order `torch_optimizer` holds them (as `model.parameters()` lists them), which only
             their shapes and dtypes can check.
         torch_optimizer: A `torch.optim.SGD`, `Adam` or `AdamW`.

@@ -1,0 +1,94 @@
+"""fmp.locate_nonfinite on origins easy to miss: masked ops' backward, indexed writes, custom Functions, the seed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import fmp
+
+F32 = fmp.Policy()
+
+
+def masked_log(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    h = (x @ params["w"]).square()
+    return torch.where(h > 0, torch.log(h), torch.zeros_like(h)).sum()
+
+
+def masked_exp(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    h = x @ params["w"]
+    return torch.where(h < 50, torch.exp(h), torch.zeros_like(h)).sum()
+
+
+@pytest.mark.parametrize(("loss_fn", "op"), [(masked_log, "log"), (masked_exp, "exp")], ids=["log", "exp"])
+def test_a_masked_ops_backward_that_makes_nan_is_named(loss_fn: Any, op: str) -> None:
+    # The forward's inf is masked away, but the op's backward meets it with the mask's zero
+    # gradient and makes NaN (0/0, 0 * inf): the step skips, and the report says where.
+    params, x = {"w": torch.eye(4) * 100}, torch.eye(4)[:3].clone()
+    x[0] = 0  # log(0) = -inf; for exp, 100 on the diagonal overflows
+    if op == "exp":
+        x[0] = 1
+    report = fmp.locate_nonfinite(loss_fn, params, x, policy=F32)
+    assert report.forward is not None and report.forward.op == op and not report.finite
+    backward = report.backward
+    assert backward is not None and (backward.op, backward.made) == (op, "NaN")
+    assert backward.node.lower().startswith(op)
+    assert "make the masked values finite before the op" in str(report)
+
+
+def test_an_unmasked_overflow_is_named_in_the_forward_only() -> None:
+    # exp's backward meeting the forward's inf passes it on: it makes nothing new.
+    loss_fn = lambda p, x: (x @ p["w"]).exp().sum()  # noqa: E731
+    report = fmp.locate_nonfinite(loss_fn, {"w": torch.eye(2) * 100}, torch.ones(2, 2), policy=F32)
+    assert report.forward is not None and report.forward.op == "exp" and report.backward is None
+
+
+def test_an_overflow_in_an_indexed_write_is_named() -> None:
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(2, 2, dtype=torch.float16)
+        out[:] = x @ params["w"] * 1000  # float32 values past 65504, written into a float16 buffer
+        return out.float().mean()
+
+    report = fmp.locate_nonfinite(loss_fn, {"w": torch.eye(2) * 100}, torch.eye(2), policy=F32)
+    origin = report.forward
+    assert origin is not None and (origin.op, origin.made) == ("__setitem__", "inf")
+    assert origin.output_dtypes == (torch.float16,)
+
+
+class NanBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("nan")
+
+
+def test_nan_made_by_a_custom_functions_backward_names_the_function() -> None:
+    loss_fn = lambda p, x: NanBackward.apply(x @ p["w"]).sum()  # noqa: E731
+    report = fmp.locate_nonfinite(loss_fn, {"w": torch.eye(4)}, torch.ones(2, 4), policy=F32)
+    backward = report.backward
+    assert backward is not None and (backward.op, backward.node) == ("NanBackward.apply", "NanBackwardBackward")
+
+
+def test_a_float16_loss_that_cannot_carry_the_scaled_seed_is_explained() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    policy = fmp.get_policy("p=f32,c=f16,o=f16")
+    loss_fn = lambda p, x: torch.func.functional_call(model, p, (x,)).sum()  # noqa: E731
+    scaler = fmp.DynamicLossScale.create()
+    report = fmp.locate_nonfinite(loss_fn, params, torch.ones(2, 4), policy=policy, scaler=scaler)
+    backward = report.backward
+    assert backward is not None and backward.op == "" and backward.node.startswith("ToCopyBackward")
+    text = str(report)
+    assert f"from {backward.node} outside any module" in text and "``" not in text
+    assert "the float16 loss cannot carry the scaled gradient seed (65536 > 65504)" in text
