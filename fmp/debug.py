@@ -270,7 +270,7 @@ def locate_nonfinite(
             with modules.hooked(), forward:
                 out = with_policy(loss_fn, policy)(tracked, *copied)
             loss = _loss_of(out, has_aux)
-            check_reads_no_module_parameters(loss)
+            check_reads_no_module_parameters(loss, copied)
             scaled = scaler.scale(loss)
             scaled_grads: tuple[torch.Tensor | None, ...] = (None,) * len(leaves)
             if scaled.requires_grad:

@@ -136,6 +136,11 @@ def _check_loss(loss: Any, subject: str) -> torch.Tensor:
 def _check_losses(out: Any, scaler: ScalerTree) -> Any:
     """The loss, or the tuple of losses with one per scaler, each checked."""
     if not isinstance(scaler, tuple):
+        if isinstance(out, tuple):
+            raise TypeError(
+                f"loss_fn must return a scalar tensor, got a tuple of {len(out)}: with has_aux=True it returns "
+                f"(loss, aux), and with a tuple of scalers one loss per scaler"
+            )
         return _check_loss(out, "loss_fn must return")
     if not (isinstance(out, tuple) and len(out) == len(scaler)):
         got = f"a tuple of {len(out)}" if isinstance(out, tuple) else f"a {type(out).__name__}"
@@ -143,9 +148,11 @@ def _check_losses(out: Any, scaler: ScalerTree) -> Any:
     return tuple(_check_loss(loss, f"loss_fn's loss[{index}] must be") for index, loss in enumerate(out))
 
 
-def _module_parameters_read(loss: torch.Tensor) -> list[torch.nn.Parameter]:
-    """The `nn.Parameter`s that autograd's graph of `loss` accumulates into, in no particular order."""
-    found, seen, stack = [], set(), [loss.grad_fn]
+def _module_parameters_read(tensors: list[torch.Tensor]) -> list[torch.nn.Parameter]:
+    """The `nn.Parameter`s that autograd's graphs of `tensors` accumulate into (or that they are), in no order."""
+    found = [x for x in tensors if isinstance(x, torch.nn.Parameter)]
+    seen: set[Any] = set()
+    stack = [x.grad_fn for x in tensors]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -158,18 +165,28 @@ def _module_parameters_read(loss: torch.Tensor) -> list[torch.nn.Parameter]:
     return found
 
 
-def check_reads_no_module_parameters(loss: Any) -> None:
+def check_reads_no_module_parameters(loss: Any, args: Any) -> None:
     """Raises if the loss reads a module's own `nn.Parameter`s, which get no gradient from the step.
 
-    Only a loss that autograd tracks is searched, so the usual step pays nothing, and other
-    tracked inputs pass: a meta-gradient with plain autograd through an input that requires grad.
+    Only a loss that autograd tracks is searched, so the usual step pays nothing, and what the
+    caller passed in `args` passes, `nn.Parameter`s included: a meta-gradient with plain autograd
+    through an input that requires grad (a learned hyperparameter, or a tensor computed from one).
     Eager only: a compiled step cannot read autograd's graph while it is traced.
+
+    Args:
+        loss: The loss (a tensor or a pytree of them).
+        args: The further arguments `loss_fn` was given.
     """
     if torch.compiler.is_compiling():
         return
-    for leaf in pytree.tree_leaves(loss):
-        base = functorch_base(leaf)
-        read = _module_parameters_read(base) if base.requires_grad else []
+    tracked = [functorch_base(x) for x in pytree.tree_leaves(loss) if isinstance(x, torch.Tensor)]
+    tracked = [x for x in tracked if x.requires_grad]
+    if not tracked:
+        return
+    inputs = [functorch_base(x) for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+    passed = {id(p) for p in _module_parameters_read([x for x in inputs if x.requires_grad])}
+    for base in tracked:
+        read = [p for p in _module_parameters_read([base]) if id(p) not in passed]
         if read:
             shapes = sorted({str(list(p.shape)) for p in read})
             raise ValueError(
@@ -179,7 +196,7 @@ def check_reads_no_module_parameters(loss: Any) -> None:
             )
 
 
-def _warn_unless_depends_on_params(loss: torch.Tensor, which: str, params: Any) -> None:
+def _warn_unless_depends_on_params(loss: torch.Tensor, which: str, params: Any, args: Any) -> None:
     """Warns if `loss`, inside `torch.func.grad`, is not computed from `params` (its gradients are zeros).
 
     Inside the transform a loss tracks the params exactly when it requires grad: a static property,
@@ -189,7 +206,7 @@ def _warn_unless_depends_on_params(loss: torch.Tensor, which: str, params: Any) 
     """
     if torch.compiler.is_compiling() or loss.requires_grad or not pytree.tree_leaves(params):
         return
-    check_reads_no_module_parameters(loss)
+    check_reads_no_module_parameters(loss, args)
     warnings.warn(
         f"loss_fn's {which} does not depend on params, so its gradients are all zero (weight decay and "
         f"momentum still move the params): was it detached, computed under torch.no_grad or rebuilt from "
@@ -313,7 +330,7 @@ def mixed_precision_grad(
         def scaled_loss_fn(params: Any, *args: Any) -> tuple[torch.Tensor, tuple[Any, Any]]:
             scaled, loss_and_aux = scaled_losses_fn(params, *args)
             _warn_unless_depends_on_params(
-                scaled[index], f"loss {index}" if isinstance(scaler, tuple) else "loss", params
+                scaled[index], f"loss {index}" if isinstance(scaler, tuple) else "loss", params, args
             )
             return scaled[index], loss_and_aux
 
@@ -323,7 +340,7 @@ def mixed_precision_grad(
 
     if not isinstance(scaler, tuple):
         scaled_grads, (loss, aux) = grad_of_loss(0)
-        check_reads_no_module_parameters(loss)
+        check_reads_no_module_parameters(loss, args)
         grads = scaler.unscale(scaled_grads)
         grads_finite = all_finite(grads)
         return Gradients(grads, grads_finite, loss, aux, grads_finite)
@@ -334,7 +351,7 @@ def mixed_precision_grad(
     for index, s in enumerate(scalers):
         scaled_grads, (loss, aux) = grad_of_loss(index)
         per_loss.append(s.unscale(scaled_grads))
-    check_reads_no_module_parameters(loss)
+    check_reads_no_module_parameters(loss, args)
     grads = _tree_sum(per_loss)
     # The sum is non-finite whenever a part is, and also when finite parts overflow on adding;
     # then no loss is to blame alone and every scale backs off.

@@ -109,6 +109,20 @@ def _loss_scale(scaler: ScalerTree, device: torch.device) -> Any:
     return pytree.tree_map(scale_of, scaler, is_leaf=_is_scaler)
 
 
+def _check_finite_per_loss(finite_per_loss: Any, scaler: Any) -> None:
+    """Raises unless `reduce_grads` kept `finite_per_loss`'s structure: one flag per scaler of the state."""
+    if isinstance(scaler, tuple):
+        if isinstance(finite_per_loss, tuple) and len(finite_per_loss) == len(scaler):
+            return
+        expected = f"a tuple of {len(scaler)} flags, one per scaler of state.scaler"
+    elif isinstance(finite_per_loss, torch.Tensor):
+        return
+    else:
+        expected = "one flag (a 0-dim bool tensor), as state.scaler is one scaler"
+    got = f"a tuple of {len(finite_per_loss)}" if isinstance(finite_per_loss, tuple) else type(finite_per_loss).__name__
+    raise TypeError(f"reduce_grads' finite_per_loss must be {expected}, got {got}")
+
+
 def train_step(
     loss_fn: LossFn,
     state: TrainState,
@@ -200,6 +214,7 @@ def train_step(
         gradients = reduce_grads(gradients)
         if not isinstance(gradients, Gradients):
             raise TypeError(f"reduce_grads must return fmp.Gradients, got {type(gradients).__name__}")
+        _check_finite_per_loss(gradients.finite_per_loss, state.scaler)
         check_finite_flag(gradients.grads_finite, "reduce_grads' grads_finite")
         for index, flag in enumerate(pytree.tree_leaves(gradients.finite_per_loss)):
             check_finite_flag(flag, f"reduce_grads' finite_per_loss[{index}]")

@@ -181,6 +181,7 @@ def test_has_aux_returns_the_auxiliary_output() -> None:
         (lambda p, x, y: torch.tensor(3), False, TypeError, "floating-point loss, got torch.int64"),
         (lambda p, x, y: mlp_loss(p, x, y), True, TypeError, "must return \\(loss, aux\\)"),
         (lambda p, x, y: (mlp_loss(p, x, y), 1, 2), True, TypeError, "must return \\(loss, aux\\)"),
+        (lambda p, x, y: (mlp_loss(p, x, y), {}), False, TypeError, "got a tuple of 2: with has_aux=True it returns"),
     ],
 )
 def test_bad_loss_functions_get_clear_errors(loss_fn: Any, has_aux: bool, error: type, message: str) -> None:
@@ -396,6 +397,29 @@ def test_a_loss_that_reads_a_modules_own_parameters_is_named() -> None:
     assert x.grad is not None and bool(x.grad.abs().sum() > 0)
 
 
+@pytest.mark.parametrize("derived", [False, True], ids=["parameter", "computed-from-one"])
+def test_a_meta_gradient_through_an_nn_parameter_passed_in_args_passes(derived: bool) -> None:
+    # A learned hyperparameter is an nn.Parameter handed to torch.optim: passed in args (as it is, or
+    # computed from), the loss reads it, and the module-parameter check must let it through.
+    log_decay = torch.nn.Parameter(torch.tensor(0.0))
+    params, (x, y) = mlp_params(), batch()
+
+    def regularized(p: Any, x: torch.Tensor, y: torch.Tensor, log_decay: torch.Tensor) -> torch.Tensor:
+        return mlp_loss(p, x, y) + log_decay.exp() * p["w1"].square().sum()
+
+    def meta_gradient(log_decay: torch.Tensor, hyper: torch.Tensor) -> torch.Tensor:
+        new_params, _ = fmp.mixed_precision_step(
+            regularized, params, fmp.NoOpLossScale(), x, y, hyper, policy=fmp.Policy(), optimizer=fmp.optim.sgd(0.1)
+        )
+        (grad,) = torch.autograd.grad(mlp_loss(new_params, x, y), log_decay)
+        return grad
+
+    plain = torch.tensor(0.0, requires_grad=True)
+    expected = meta_gradient(plain, plain)
+    ours = meta_gradient(log_decay, log_decay * 1.0 if derived else log_decay)
+    assert torch.equal(ours, expected) and bool(ours != 0)
+
+
 def test_a_loss_that_does_not_depend_on_params_warns() -> None:
     # torch.func.grad returns zeros, and weight decay and momentum still move the params: most often a
     # mistake, but a loss may be constant on purpose (an empty batch), so it warns.
@@ -468,6 +492,20 @@ def test_flags_that_reduce_grads_returns_are_checked_by_name() -> None:
         step(reduce_grads=lambda g: g._replace(grads_finite=True))
     with pytest.raises(ValueError, match=r"reduce_grads' finite_per_loss\[0\] must be a 0-dim bool tensor"):
         step(reduce_grads=lambda g: g._replace(finite_per_loss=g.grads_finite.float()))
+    # The flags' structure is the scalers': one flag for one scaler, a tuple of as many for a tuple.
+    one_flag = r"finite_per_loss must be one flag \(a 0-dim bool tensor\), as state.scaler is one scaler, got a tuple"
+    with pytest.raises(TypeError, match=one_flag):
+        step(reduce_grads=lambda g: g._replace(finite_per_loss=(g.grads_finite,)))
+    two = fmp.TrainState.create(mlp_params(), optimizer, (fmp.NoOpLossScale(), fmp.NoOpLossScale()))
+    with pytest.raises(TypeError, match=r"finite_per_loss must be a tuple of 2 flags, one per scaler of state\.scaler"):
+        fmp.train_step(
+            lambda p, x, y: (mlp_loss(p, x, y), mlp_loss(p, x, y)),
+            two,
+            *batch(),
+            policy=fmp.Policy(),
+            optimizer=optimizer,
+            reduce_grads=lambda g: g._replace(finite_per_loss=g.grads_finite),
+        )
     with pytest.raises(ValueError, match=r"partition: grads must have the params' structure, but they differ"):
         part = fmp.optim.partition({"all": optimizer}, lambda name, p: "all")
         part.update({"w1": torch.ones(8, 8)}, part.init(mlp_params()), mlp_params())
