@@ -197,6 +197,7 @@ class _Label(NamedTuple):
     op: str
     module: nn.Module | None
     forward_made: str  # the non-finite kinds among the call's outputs (`kinds`), "" if all finite
+    forward_held: str  # the same among its inputs
 
 
 def _intends_nonfinite(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -231,7 +232,10 @@ class ForwardWatch(TorchFunctionMode):
         if not outputs:
             return out
         made = kinds(outputs)
-        label = _Label(_op_name(func), self.modules.current(), made)
+        label = _Label(_op_name(func), self.modules.current(), made, held)
+        for x in inputs:  # a custom autograd.Function's output: its apply is no call the mode sees
+            if isinstance(x.grad_fn, torch.autograd.function.BackwardCFunction) and x.grad_fn not in self.labels:
+                self.labels[x.grad_fn] = _function_label(x.grad_fn, label.module, kinds([x]))
         for x in outputs:
             if x.grad_fn is not None:
                 self.labels.setdefault(x.grad_fn, label)
@@ -240,22 +244,27 @@ class ForwardWatch(TorchFunctionMode):
         return out
 
 
-def _function_label(node: Any) -> _Label | None:
-    """A custom autograd.Function's own name for its backward node, whose `apply` the forward watch never sees."""
+def _function_label(node: Any, module: nn.Module | None = None, made: str = "") -> _Label | None:
+    """A label naming a custom autograd.Function's backward node by the Function, whose `apply` no mode sees.
+
+    `made` is what its outputs held, as the call that read them saw them ("" where none did).
+    """
     if not isinstance(node, torch.autograd.function.BackwardCFunction):
         return None
     function = node._forward_cls  # type: ignore[attr-defined]
-    return _Label(f"{function.__name__}.apply", None, "")
+    return _Label(f"{function.__name__}.apply", module, made, "")
 
 
 class BackwardWatch:
     """Hooks every gradient function under a loss; `found` holds the first to make inf or NaN.
 
     A gradient function counts where it makes a kind of non-finite value that neither its incoming
-    gradients nor its forward call's outputs held: exp's backward meeting the forward's inf passes
-    it on, but log's turning a masked log(0)'s -inf and a zero gradient into NaN (the gradient of
-    `torch.where(x > 0, x.log(), 0)`) makes it. A node inside a composite call (no call returned
-    its output) takes the label of the call it feeds.
+    gradients nor its forward call's outputs held, unless its forward only carried on values that
+    were already not finite: exp's backward meeting the inf exp made passes it on, and a norm's
+    backward dividing the inf it was given by itself follows from it, but log's turning a masked
+    log(0)'s -inf and a zero gradient into NaN (the gradient of `torch.where(x > 0, x.log(), 0)`)
+    makes it. A node inside a composite call (no call returned its output) takes the label of the
+    call it feeds; a custom autograd.Function's is named by the Function.
 
     Args:
         root: The loss's gradient function.
@@ -266,7 +275,7 @@ class BackwardWatch:
         self.found: Found | None = None
         self.handles: list[Any] = []
         seen: set[Any] = set()
-        stack = [(root, labels.get(root, _Label("", None, "")))]
+        stack = [(root, labels.get(root, _Label("", None, "", "")))]
         while stack:
             node, inherited = stack.pop()
             if node is None or node in seen or hasattr(node, "variable"):  # AccumulateGrad: a leaf
@@ -278,8 +287,8 @@ class BackwardWatch:
 
     def _hook(self, node: Any, label: _Label) -> Any:
         def hook(grad_inputs: Any, grad_outputs: Any) -> None:
-            if self.found is not None:
-                return
+            if self.found is not None or (label.forward_made and label.forward_held):
+                return  # found already, or a node whose forward carried the inf or NaN it was given
             incoming, made = floating(grad_outputs), floating(grad_inputs)
             held = kinds(incoming)
             if made and _new_kinds(f"{held} {label.forward_made}", kinds(made)):

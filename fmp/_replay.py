@@ -18,6 +18,7 @@ from torch import nn
 
 from fmp.autocast import AutocastMode
 from fmp.autocast import _active_modes
+from fmp.module_policy import patched_again
 from fmp.module_policy import patched_modules
 
 __all__ = ["Ambient"]
@@ -60,6 +61,7 @@ class Ambient:
         self.generators = [(generator, generator.get_state()) for generator in generators] if rng else []
         kept = {id(module): module for module in [*modules, *patched_modules()]}
         self.forwards = [(module.__dict__, module.__dict__.get(_FORWARD)) for module in kept.values()]
+        self.patched = patched_modules()
 
     def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Calls `fn` inside the recorded fmp autocast region, if there was one."""
@@ -83,6 +85,7 @@ class Ambient:
             for attrs, forward in self.forwards:
                 stack.callback(_set_forward, attrs, attrs.get(_FORWARD))
                 _set_forward(attrs, forward)
+            stack.enter_context(patched_again(self.patched))
             yield
 
     def _rng_snapshot(self) -> list[torch.Tensor]:

@@ -232,10 +232,13 @@ class AutocastMode(TorchFunctionMode):
 
         Where the rules do not list einsum itself (the CPU set) and it reaches bmm, whose rule is the
         lower dtype: torch casts the inputs of each bmm inside, and of nothing else einsum runs.
+        Not inside an enabled torch.autocast("cpu") around the region, whose own casts then apply
+        to einsum as to every other op.
         """
         tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         return (
-            "einsum" not in self.table
+            not torch.is_autocast_enabled("cpu")
+            and "einsum" not in self.table
             and target in (torch.float16, torch.bfloat16)
             and target == self.table.get("bmm")
             and all(x.device.type == "cpu" for x in tensors)

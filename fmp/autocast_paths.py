@@ -144,7 +144,7 @@ def _lstm_path(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Path:
 def _sparse_mm_path(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Path:
     # torch.sparse.mm reaches mm for a dense second matrix and no reduction; a sparse one goes to
     # sparse_sparse_matmul and a reduction to _sparse_mm_reduce_impl, which torch.autocast leaves alone.
-    dense = argument(args, kwargs, 1, "mat2").layout == torch.strided
+    dense = argument(args, kwargs, 1, "dense", "mat2").layout == torch.strided
     return ("mm",) if dense and argument(args, kwargs, 2, "reduce") is None else ()
 
 

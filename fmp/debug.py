@@ -148,9 +148,9 @@ class NonFiniteReport:
             if self.backward is not None and self.backward.made == "NaN":
                 backward.insert(
                     0,
-                    "but that op's backward turned its masked inf and the mask's zero gradient into NaN: make "
-                    "the masked values finite before the op (torch.where(mask, x, 1).log(), not "
-                    "torch.where(mask, x.log(), 0))",
+                    "but that op's backward met its inf with a zero gradient from downstream (a mask, or an op "
+                    "the inf saturated), which makes NaN: keep the op's output finite (torch.where(mask, x, "
+                    "1).log(), not torch.where(mask, x.log(), 0); clamp before exp)",
                 )
             return [absorbed, *backward] if backward or not self.finite else [absorbed]
         if self.forward and torch.float16 in self.forward.output_dtypes:

@@ -114,14 +114,21 @@ class _Accumulation:
 
     A post-accumulate-grad hook on each parameter sets it, which only autograd's accumulation
     fires: an in-place edit of the gradients (`clip_grad_norm_`) leaves it as it was. The hooks
-    hold this flag, not the GradientBuffer, so they keep nothing else alive.
+    hold it weakly and are taken off the parameters when it dies with the last handle sharing
+    it (a buffer attached again, after moving the model, say, leaves no hooks of the old one).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, params: tuple[torch.Tensor, ...]) -> None:
         self.since_unscale = True  # gradients copied in at attach may be unscaled once
+        flag = weakref.ref(self)
 
-    def mark(self, param: torch.Tensor) -> None:
-        self.since_unscale = True
+        def mark(param: torch.Tensor) -> None:
+            alive = flag()
+            if alive is not None:
+                alive.since_unscale = True
+
+        hooks = [param.register_post_accumulate_grad_hook(mark) for param in params]  # type: ignore[no-untyped-call]
+        weakref.finalize(self, _remove_hooks, hooks)
 
 
 def _remove_hooks(hooks: list[Any]) -> None:
@@ -165,14 +172,7 @@ class GradientBuffer:
         self._buffers = buffers
         self._compiled = compiled
         self._view_pointers = tuple(view.data_ptr() for view in views)
-        self._accumulation = _Accumulation()
-        hooks = [
-            param.register_post_accumulate_grad_hook(self._accumulation.mark)  # type: ignore[no-untyped-call]
-            for param in params
-        ]
-        # Taken off the parameters with the handle: a buffer attached again (after moving the
-        # model, say) leaves no hooks of the old one behind to run on every backward.
-        weakref.finalize(self, _remove_hooks, hooks)
+        self._accumulation = _Accumulation(params)
 
     @classmethod
     def attach(cls, params: Iterable[torch.Tensor], *, compiled: bool = True) -> GradientBuffer:

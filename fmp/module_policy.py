@@ -21,11 +21,13 @@ parameters cast to the statistics' dtype instead of the compute dtype (see `modu
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import threading
 import warnings
 from collections.abc import Callable
+from collections.abc import Iterator
 from collections.abc import Mapping
 from typing import Any
 from typing import NamedTuple
@@ -174,6 +176,20 @@ def patched_modules() -> tuple[nn.Module, ...]:
     `fmp.remat` keeps their forwards for its recompute, which runs after the call has put them back.
     """
     return tuple(_PATCHED.modules)
+
+
+@contextlib.contextmanager
+def patched_again(modules: tuple[nn.Module, ...]) -> Iterator[None]:
+    """Counts `modules` as patched on this thread for the body.
+
+    For `fmp.remat`'s recompute, which puts their forwards back: a block rematerialized inside it
+    then keeps them in turn.
+    """
+    _PATCHED.modules.extend(modules)
+    try:
+        yield
+    finally:
+        del _PATCHED.modules[len(_PATCHED.modules) - len(modules) :]
 
 
 def _warn_not_run(matches: tuple[_Match, ...], ran: set[str], warned: set[str]) -> None:

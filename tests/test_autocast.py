@@ -487,6 +487,7 @@ COMPOSITES: dict[str, Callable[[], Any]] = {
     "sparse_mm": lambda: torch.sparse.mm(torch.eye(4).to_sparse(), torch.randn(4, 3)),
     "sparse_mm_sparse": _csr_beta(lambda: torch.sparse.mm(torch.eye(4).to_sparse(), torch.eye(4).to_sparse())),
     "sparse_mm_reduce": _csr_beta(lambda: torch.sparse.mm(torch.eye(4).to_sparse_csr(), torch.randn(4, 3), "sum")),
+    "sparse_mm_dense_keyword": lambda: torch.sparse.mm(torch.eye(4).to_sparse(), dense=torch.randn(4, 3)),
     "sparse_addmm": lambda: torch.sparse.addmm(torch.randn(4, 3), torch.eye(4).to_sparse(), torch.randn(4, 3)),
     "rnn_tanh": _rnn(nn.RNN),
     "rnn_relu": _rnn(nn.RNN, nonlinearity="relu"),
@@ -565,3 +566,11 @@ def test_cpu_rules_run_einsum_bit_for_bit_as_torch_autocast_cpu(
         ours = torch.compile(ours, fullgraph=True, backend="aot_eager")
     out = ours(*operands)
     assert out.dtype == expected.dtype and torch.equal(out, expected)
+
+
+def test_inside_an_enabled_torch_autocast_einsum_follows_the_outer_casts_as_matmul_does() -> None:
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    ops = autocast(lambda a, b: (a @ b, torch.einsum("ij,jk->ik", a, b)), torch.bfloat16, rules="cpu")
+    with torch.autocast("cpu", dtype=torch.float16):
+        matmul, einsum = ops(a, b)
+    assert einsum.dtype == matmul.dtype == torch.float16

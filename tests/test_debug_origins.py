@@ -36,13 +36,36 @@ def test_a_masked_ops_backward_that_makes_nan_is_named(loss_fn: Any, op: str) ->
     backward = report.backward
     assert backward is not None and (backward.op, backward.made) == (op, "NaN")
     assert backward.node.lower().startswith(op)
-    assert "make the masked values finite before the op" in str(report)
+    assert "which makes NaN: keep the op's output finite" in str(report)
 
 
-def test_an_unmasked_overflow_is_named_in_the_forward_only() -> None:
-    # exp's backward meeting the forward's inf passes it on: it makes nothing new.
-    loss_fn = lambda p, x: (x @ p["w"]).exp().sum()  # noqa: E731
-    report = fmp.locate_nonfinite(loss_fn, {"w": torch.eye(2) * 100}, torch.ones(2, 2), policy=F32)
+class Exp(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return x.exp()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: torch.Tensor) -> None:
+        ctx.save_for_backward(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (output,) = ctx.saved_tensors
+        return grad * output
+
+
+UNMASKED = {
+    "exp": lambda p, x: (x @ p["w"]).exp().sum(),
+    "custom_exp": lambda p, x: Exp.apply(x @ p["w"]).sum(),
+    "exp_then_norm": lambda p, x: (x @ p["w"]).exp().norm(),  # the norm's backward divides inf by inf
+}
+
+
+@pytest.mark.parametrize("name", UNMASKED)
+def test_an_overflow_that_reaches_the_loss_is_named_in_the_forward_only(name: str) -> None:
+    # A backward meeting the forward's inf passes it on (grad * inf), or follows from it (inf / inf):
+    # it makes nothing the forward did not.
+    report = fmp.locate_nonfinite(UNMASKED[name], {"w": torch.eye(2) * 100}, torch.ones(2, 2), policy=F32)
     assert report.forward is not None and report.forward.op == "exp" and report.backward is None
 
 

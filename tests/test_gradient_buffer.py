@@ -407,3 +407,15 @@ def test_a_buffer_attached_again_leaves_no_hooks_of_the_old_one() -> None:
     del buffer
     gc.collect()
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+def test_a_shallow_copy_keeps_seeing_backwards_after_the_original_is_gone() -> None:
+    model = make_model()
+    original = fmp.GradientBuffer.attach(model.parameters(), compiled=False)
+    handle = copy.copy(original)
+    del original
+    gc.collect()
+    scaler = fmp.StaticLossScale.create(2.0)
+    for _ in range(2):  # no zero_() between: the second backward's hooks must still mark the gradients
+        loss_of(model, torch.randn(5, 6)).backward()
+        handle.unscale_(scaler)

@@ -407,3 +407,23 @@ def test_names_a_wrapper_prefixed_match_the_models_own() -> None:
     back = fmp.optim.to_torch_state_dict(opt_state, optimizer)
     for index, (name, _) in enumerate(reversed(prefixed)):
         assert torch.equal(back["state"][index]["exp_avg"], opt_state.exp_avg[name.removeprefix("module._orig_mod.")])
+
+
+def test_a_models_own_submodule_called_module_keeps_its_name() -> None:
+    # Only wrapper prefixes on every name go: "_orig_mod.module.weight" is the param "module.weight".
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = torch.nn.Linear(3, 3)
+            self.x = torch.nn.Parameter(torch.ones(3))
+
+    model = Wrapper()
+    optimizer = torch.optim.SGD([(f"_orig_mod.{n}", p) for n, p in model.named_parameters()], lr=0.1, momentum=0.9)
+    if "param_names" not in optimizer.state_dict()["param_groups"][0]:
+        pytest.skip("this torch saves no param_names")
+    (model.module(model.x) * model.x).sum().backward()
+    optimizer.step()
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    _, opt_state = fmp.optim.from_torch_state_dict("sgd", optimizer.state_dict(), params, 1)
+    for name, p in model.named_parameters():
+        assert torch.equal(opt_state.momentum[name], optimizer.state[p]["momentum_buffer"]), name

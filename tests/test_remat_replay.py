@@ -16,23 +16,25 @@ BF16 = fmp.get_policy("params=float32,compute=bfloat16,output=float32")
 
 
 class Net(nn.Module):
-    """A block run plainly, through `fmp.remat(module)`, or through `fmp.remat` of a function calling it."""
+    """A block run twice, plainly, through `fmp.remat(module)`, or through `fmp.remat` of functions calling it."""
 
     def __init__(self, remat: str) -> None:
         super().__init__()
         self.block = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
         self.remat = remat
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.remat == "module":
-            return fmp.remat(self.block)(x)
-        if self.remat == "function":  # its params passed as arguments, as remat requires of a function
-            run = fmp.remat(lambda h, p: torch.func.functional_call(self.block, p, (h,)))
-            return run(x, dict(self.block.named_parameters()))  # type: ignore[no-any-return]
-        return self.block(x)  # type: ignore[no-any-return]
+    def forward(self, x: torch.Tensor) -> Any:
+        if self.remat in ("", "module"):
+            block = fmp.remat(self.block) if self.remat else self.block
+            return block(torch.tanh(block(x)))
+        params = dict(self.block.named_parameters())
+        run = fmp.remat(lambda h, p: torch.func.functional_call(self.block, p, (h,)))  # params passed in, as required
+        twice = lambda h, p: run(torch.tanh(run(h, p)), p)  # noqa: E731
+        # Nested: the inner blocks run again inside the outer one's recompute, after module_policies returned.
+        return fmp.remat(twice)(x, params) if self.remat == "nested" else twice(x, params)
 
 
-@pytest.mark.parametrize("form", ["module", "function"])
+@pytest.mark.parametrize("form", ["module", "function", "nested"])
 @pytest.mark.parametrize("key", ["block", "block.0"])
 def test_the_recompute_runs_the_module_policies_the_forward_ran(form: str, key: str) -> None:
     # A function block does not name the modules it calls: those module_policies patched are kept.

@@ -35,20 +35,16 @@ _SCHEDULER_SETTINGS = {"initial_lr", "max_lr", "min_lr", "base_momentum", "max_m
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
-def _unwrapped(name: str) -> str:
-    """A parameter name without the prefixes wrappers added to it ("module._orig_mod.0.weight" -> "0.weight")."""
-    while name.startswith(_WRAPPER_PREFIXES):
-        name = name.split(".", 1)[1]
-    return name
-
-
 def _fmp_names(torch_names: list[str], fmp_names: list[str]) -> list[str]:
-    """The params' name for each of torch's: the same, or, where a wrapper prefixed them all, without the prefix."""
-    known = set(fmp_names)
-    if all(name in known for name in torch_names):
-        return torch_names
-    unwrapped = [_unwrapped(name) for name in torch_names]
-    return unwrapped if all(name in known for name in unwrapped) else torch_names
+    """The params' name for each of torch's: the same, or without the prefixes a wrapper put on all of them.
+
+    One prefix is taken off at a time, from all names at once, until they all name params: a model
+    whose own submodule is called "module" keeps that part of its names.
+    """
+    known, names = set(fmp_names), torch_names
+    while not all(name in known for name in names) and all(name.startswith(_WRAPPER_PREFIXES) for name in names):
+        names = [name.split(".", 1)[1] for name in names]
+    return names if all(name in known for name in names) and len(set(names)) == len(names) else torch_names
 
 
 def _check_groups(kind: str, state_dict: Any, count: int) -> list[dict[str, Any]]:
