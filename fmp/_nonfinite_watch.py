@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -197,7 +198,6 @@ class _Label(NamedTuple):
     op: str
     module: nn.Module | None
     forward_made: str  # the non-finite kinds among the call's outputs (`kinds`), "" if all finite
-    forward_held: str  # the same among its inputs
 
 
 def _intends_nonfinite(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -216,6 +216,29 @@ class ForwardWatch(TorchFunctionMode):
         self.modules = modules
         self.found: Found | None = None
         self.labels: dict[Any, _Label] = {}
+        # id -> (the tensor, weakly, so a reused id is told apart; the module it was made in).
+        self.made_without_grad: dict[int, tuple[weakref.ref[torch.Tensor], nn.Module | None]] = {}
+
+    def note_function_outputs(self, tensors: list[torch.Tensor], module: nn.Module | None) -> None:
+        """Labels the gradient functions of custom autograd.Function outputs among `tensors`.
+
+        No mode sees a Function's `apply`, so its node is named by the Function, placed in the
+        module its forward's ops ran in (else `module`, the reader's), and given what all of its
+        outputs that anything read held.
+        """
+        for x in tensors:
+            node = x.grad_fn
+            if not isinstance(node, torch.autograd.function.BackwardCFunction):
+                continue
+            made, noted = kinds([x]), self.labels.get(node)
+            if noted is None:
+                function = node._forward_cls
+                made_in = self.made_without_grad.get(id(x))
+                where = made_in[1] if made_in is not None and made_in[0]() is x else module
+                self.labels[node] = _Label(f"{function.__name__}.apply", where, made)
+            else:  # another of its outputs
+                both = " and ".join(k for k in ("inf", "NaN") if k in noted.forward_made or k in made)
+                self.labels[node] = noted._replace(forward_made=both)
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -232,10 +255,12 @@ class ForwardWatch(TorchFunctionMode):
         if not outputs:
             return out
         made = kinds(outputs)
-        label = _Label(_op_name(func), self.modules.current(), made, held)
-        for x in inputs:  # a custom autograd.Function's output: its apply is no call the mode sees
-            if isinstance(x.grad_fn, torch.autograd.function.BackwardCFunction) and x.grad_fn not in self.labels:
-                self.labels[x.grad_fn] = _function_label(x.grad_fn, label.module, kinds([x]))
+        module = self.modules.current()
+        label = _Label(_op_name(func), module, made)
+        self.note_function_outputs(inputs, module)
+        if not torch.is_grad_enabled():  # inside a custom Function's forward, whose apply hands these out
+            for x in outputs:
+                self.made_without_grad[id(x)] = (weakref.ref(x), module)
         for x in outputs:
             if x.grad_fn is not None:
                 self.labels.setdefault(x.grad_fn, label)
@@ -244,27 +269,16 @@ class ForwardWatch(TorchFunctionMode):
         return out
 
 
-def _function_label(node: Any, module: nn.Module | None = None, made: str = "") -> _Label | None:
-    """A label naming a custom autograd.Function's backward node by the Function, whose `apply` no mode sees.
-
-    `made` is what its outputs held, as the call that read them saw them ("" where none did).
-    """
-    if not isinstance(node, torch.autograd.function.BackwardCFunction):
-        return None
-    function = node._forward_cls  # type: ignore[attr-defined]
-    return _Label(f"{function.__name__}.apply", module, made, "")
-
-
 class BackwardWatch:
     """Hooks every gradient function under a loss; `found` holds the first to make inf or NaN.
 
     A gradient function counts where it makes a kind of non-finite value that neither its incoming
-    gradients nor its forward call's outputs held, unless its forward only carried on values that
-    were already not finite: exp's backward meeting the inf exp made passes it on, and a norm's
-    backward dividing the inf it was given by itself follows from it, but log's turning a masked
-    log(0)'s -inf and a zero gradient into NaN (the gradient of `torch.where(x > 0, x.log(), 0)`)
-    makes it. A node inside a composite call (no call returned its output) takes the label of the
-    call it feeds; a custom autograd.Function's is named by the Function.
+    gradients nor its forward call's outputs held: exp's backward meeting the inf exp made passes it
+    on, but log's turning a masked log(0)'s -inf and a zero gradient into NaN (the gradient of
+    `torch.where(x > 0, x.log(), 0)`) makes it, and so does a norm's backward dividing the inf it
+    was given by itself (the forward's origin is named too). A node inside a composite call (no
+    call returned its output) takes the label of the call it feeds; a custom autograd.Function's
+    is named by the Function (`ForwardWatch.note_function_outputs`).
 
     Args:
         root: The loss's gradient function.
@@ -275,20 +289,20 @@ class BackwardWatch:
         self.found: Found | None = None
         self.handles: list[Any] = []
         seen: set[Any] = set()
-        stack = [(root, labels.get(root, _Label("", None, "", "")))]
+        stack = [(root, labels.get(root, _Label("", None, "")))]
         while stack:
             node, inherited = stack.pop()
             if node is None or node in seen or hasattr(node, "variable"):  # AccumulateGrad: a leaf
                 continue
             seen.add(node)
-            label = labels.get(node) or _function_label(node) or inherited
+            label = labels.get(node, inherited)
             self.handles.append(node.register_hook(self._hook(node, label)))
             stack.extend((next_node, label) for next_node, _ in node.next_functions)
 
     def _hook(self, node: Any, label: _Label) -> Any:
         def hook(grad_inputs: Any, grad_outputs: Any) -> None:
-            if self.found is not None or (label.forward_made and label.forward_held):
-                return  # found already, or a node whose forward carried the inf or NaN it was given
+            if self.found is not None:
+                return
             incoming, made = floating(grad_outputs), floating(grad_inputs)
             held = kinds(incoming)
             if made and _new_kinds(f"{held} {label.forward_made}", kinds(made)):

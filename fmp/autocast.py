@@ -211,6 +211,9 @@ class AutocastMode(TorchFunctionMode):
         if name == "einsum" and self._einsum_as_torch_cpu(target, args, kwargs):
             # Which pairs torch contracts with bmm (cast) and which with mul (promoting) depends on
             # the shapes and the contraction order: torch.autocast("cpu") itself casts at its bmms.
+            # An enabled one around the region does so already, in its own dtype, as for matmul.
+            if torch.is_autocast_enabled("cpu"):
+                return _call(func, args, kwargs)
             with torch.autocast("cpu", dtype=cast(torch.dtype, target)):
                 return _call(func, args, kwargs)
         if isinstance(target, torch.dtype):
@@ -232,13 +235,10 @@ class AutocastMode(TorchFunctionMode):
 
         Where the rules do not list einsum itself (the CPU set) and it reaches bmm, whose rule is the
         lower dtype: torch casts the inputs of each bmm inside, and of nothing else einsum runs.
-        Not inside an enabled torch.autocast("cpu") around the region, whose own casts then apply
-        to einsum as to every other op.
         """
         tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         return (
-            not torch.is_autocast_enabled("cpu")
-            and "einsum" not in self.table
+            "einsum" not in self.table
             and target in (torch.float16, torch.bfloat16)
             and target == self.table.get("bmm")
             and all(x.device.type == "cpu" for x in tensors)

@@ -270,6 +270,7 @@ def locate_nonfinite(
             with modules.hooked(), forward:
                 out = with_policy(loss_fn, policy)(tracked, *copied)
             loss = _loss_of(out, has_aux)
+            forward.note_function_outputs(floating(loss), None)  # a custom Function's output as the loss
             check_reads_no_module_parameters(loss, copied)
             scaled = scaler.scale(loss)
             scaled_grads: tuple[torch.Tensor | None, ...] = (None,) * len(leaves)

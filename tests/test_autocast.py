@@ -574,3 +574,13 @@ def test_inside_an_enabled_torch_autocast_einsum_follows_the_outer_casts_as_matm
     with torch.autocast("cpu", dtype=torch.float16):
         matmul, einsum = ops(a, b)
     assert einsum.dtype == matmul.dtype == torch.float16
+
+
+def test_inside_a_torch_autocast_of_the_same_dtype_einsum_is_torch_autocasts_bit_for_bit() -> None:
+    # The outer region casts einsum's bmms, and only those: fmp adds nothing.
+    gen = torch.Generator().manual_seed(0)
+    operands = [torch.randn(shape, generator=gen) for shape in ((2, 3, 4), (2, 4, 5), (2, 3, 6))]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = torch.einsum("bij,bjk,bil->bikl", *operands)
+        ours = autocast(functools.partial(torch.einsum, "bij,bjk,bil->bikl"), torch.bfloat16, rules="cpu")(*operands)
+    assert ours.dtype == expected.dtype and torch.equal(ours, expected)

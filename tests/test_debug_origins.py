@@ -23,6 +23,12 @@ def masked_exp(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor
     return torch.where(h < 50, torch.exp(h), torch.zeros_like(h)).sum()
 
 
+def masked_log_beside_an_inf(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    # log also meets an inf it carries on: its backward still makes NaN at the masked log(0).
+    h = (x @ params["w"]).square() + torch.tensor([float("inf"), 0.0, 0.0, 0.0])
+    return torch.where(torch.isfinite(h.log()) & (h > 0), h.log(), torch.zeros_like(h)).sum()
+
+
 @pytest.mark.parametrize(("loss_fn", "op"), [(masked_log, "log"), (masked_exp, "exp")], ids=["log", "exp"])
 def test_a_masked_ops_backward_that_makes_nan_is_named(loss_fn: Any, op: str) -> None:
     # The forward's inf is masked away, but the op's backward meets it with the mask's zero
@@ -37,6 +43,14 @@ def test_a_masked_ops_backward_that_makes_nan_is_named(loss_fn: Any, op: str) ->
     assert backward is not None and (backward.op, backward.made) == (op, "NaN")
     assert backward.node.lower().startswith(op)
     assert "which makes NaN: keep the op's output finite" in str(report)
+
+
+def test_a_masked_ops_backward_nan_is_named_where_the_op_also_carries_an_inf_on() -> None:
+    # The inf comes in with a constant, so no forward op made it; log's backward still makes NaN at
+    # the masked log(0), at another element.
+    report = fmp.locate_nonfinite(masked_log_beside_an_inf, {"w": torch.eye(4)}, torch.eye(4)[:3] * 0, policy=F32)
+    backward = report.backward
+    assert backward is not None and (backward.op, backward.made) == ("log", "NaN") and not report.finite
 
 
 class Exp(torch.autograd.Function):
@@ -54,17 +68,39 @@ class Exp(torch.autograd.Function):
         return grad * output
 
 
+class ExpAndCopy(torch.autograd.Function):
+    """Two outputs, a finite copy and an exp that overflows: its node made what both held."""
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.clone(), x.exp()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+        ctx.save_for_backward(output[1])
+
+    @staticmethod
+    def backward(ctx: Any, grad_copy: torch.Tensor, grad_exp: torch.Tensor) -> torch.Tensor:
+        (exp,) = ctx.saved_tensors
+        return grad_copy + grad_exp * exp
+
+
+def copy_then_exp(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    copy, exp = ExpAndCopy.apply(x @ p["w"])
+    return copy.sum() + exp.sum()  # the finite output read first
+
+
 UNMASKED = {
     "exp": lambda p, x: (x @ p["w"]).exp().sum(),
     "custom_exp": lambda p, x: Exp.apply(x @ p["w"]).sum(),
-    "exp_then_norm": lambda p, x: (x @ p["w"]).exp().norm(),  # the norm's backward divides inf by inf
+    "custom_exp_is_the_loss": lambda p, x: Exp.apply((x @ p["w"]).sum()),  # read by no call
+    "custom_two_outputs": copy_then_exp,
 }
 
 
 @pytest.mark.parametrize("name", UNMASKED)
 def test_an_overflow_that_reaches_the_loss_is_named_in_the_forward_only(name: str) -> None:
-    # A backward meeting the forward's inf passes it on (grad * inf), or follows from it (inf / inf):
-    # it makes nothing the forward did not.
+    # A backward meeting the forward's inf passes it on (grad * inf): it makes nothing the forward did not.
     report = fmp.locate_nonfinite(UNMASKED[name], {"w": torch.eye(2) * 100}, torch.ones(2, 2), policy=F32)
     assert report.forward is not None and report.forward.op == "exp" and report.backward is None
 
@@ -95,11 +131,28 @@ class NanBackward(torch.autograd.Function):
         return grad * float("nan")
 
 
-def test_nan_made_by_a_custom_functions_backward_names_the_function() -> None:
-    loss_fn = lambda p, x: NanBackward.apply(x @ p["w"]).sum()  # noqa: E731
+class Child(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return NanBackward.apply(h)  # type: ignore[no-any-return]
+
+
+class Parent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = Child()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.child(h).sum()
+
+
+def test_nan_made_by_a_custom_functions_backward_names_the_function_and_its_module() -> None:
+    # The Function runs in `child`; its output is read in the parent.
+    model = Parent()
+    loss_fn = lambda p, x: model(x @ p["w"])  # noqa: E731
     report = fmp.locate_nonfinite(loss_fn, {"w": torch.eye(4)}, torch.ones(2, 4), policy=F32)
     backward = report.backward
     assert backward is not None and (backward.op, backward.node) == ("NanBackward.apply", "NanBackwardBackward")
+    assert (backward.module, backward.module_type) == ("child", "Child")
 
 
 def test_a_float16_loss_that_cannot_carry_the_scaled_seed_is_explained() -> None:

@@ -427,3 +427,31 @@ def test_a_models_own_submodule_called_module_keeps_its_name() -> None:
     _, opt_state = fmp.optim.from_torch_state_dict("sgd", optimizer.state_dict(), params, 1)
     for name, p in model.named_parameters():
         assert torch.equal(opt_state.momentum[name], optimizer.state[p]["momentum_buffer"]), name
+
+
+def test_wrapper_prefixes_are_taken_off_by_all_groups_names_together() -> None:
+    # Group 0 alone ("module.weight") would name the submodule's weight; with group 1's names the
+    # prefix is DDP's on every name, so it is the root's "weight".
+    class Root(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(3, 3))
+            self.module = torch.nn.Linear(3, 3)
+
+    model = Root()
+    groups = [
+        {"params": [("module.weight", model.weight)]},
+        {"params": [(f"module.module.{n}", p) for n, p in model.module.named_parameters()]},
+    ]
+    optimizer = torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    if "param_names" not in optimizer.state_dict()["param_groups"][0]:
+        pytest.skip("this torch saves no param_names")
+    (model.module(model.weight) * model.weight).sum().backward()
+    optimizer.step()
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    _, opt_state = fmp.optim.from_torch_state_dict("sgd", optimizer.state_dict(), params, 1)
+    assert list(opt_state["group0"].momentum) == ["weight"]
+    assert torch.equal(opt_state["group0"].momentum["weight"], optimizer.state[model.weight]["momentum_buffer"])
+    back = fmp.optim.to_torch_state_dict(opt_state, optimizer)
+    assert torch.equal(back["state"][0]["momentum_buffer"], optimizer.state[model.weight]["momentum_buffer"])
+    assert torch.equal(back["state"][1]["momentum_buffer"], optimizer.state[model.module.weight]["momentum_buffer"])

@@ -35,16 +35,22 @@ _SCHEDULER_SETTINGS = {"initial_lr", "max_lr", "min_lr", "base_momentum", "max_m
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
-def _fmp_names(torch_names: list[str], fmp_names: list[str]) -> list[str]:
-    """The params' name for each of torch's: the same, or without the prefixes a wrapper put on all of them.
+def _wrapper_depth(torch_names: list[str], fmp_names: list[str]) -> int:
+    """How many wrapper prefixes to take off all of torch's names, in every group, for them to name params.
 
     One prefix is taken off at a time, from all names at once, until they all name params: a model
-    whose own submodule is called "module" keeps that part of its names.
+    whose own submodule is called "module" keeps that part of its names. 0 where they already
+    name params, or where no depth makes them name distinct ones (the mismatch is reported then).
     """
-    known, names = set(fmp_names), torch_names
+    known, names, depth = set(fmp_names), torch_names, 0
     while not all(name in known for name in names) and all(name.startswith(_WRAPPER_PREFIXES) for name in names):
-        names = [name.split(".", 1)[1] for name in names]
-    return names if all(name in known for name in names) and len(set(names)) == len(names) else torch_names
+        names, depth = [name.split(".", 1)[1] for name in names], depth + 1
+    return depth if all(name in known for name in names) and len(set(names)) == len(names) else 0
+
+
+def _unwrapped(name: str, depth: int) -> str:
+    """`name` without its first `depth` components (the wrapper prefixes `_wrapper_depth` counted)."""
+    return name.split(".", depth)[depth] if depth else name
 
 
 def _check_groups(kind: str, state_dict: Any, count: int) -> list[dict[str, Any]]:
@@ -229,7 +235,8 @@ def _members(groups: list[dict[str, Any]], names: list[str]) -> list[list[str]]:
     """Each param group's parameter names: by torch's `param_names` where every group has them, else by order."""
     if all("param_names" in group for group in groups):
         known = set(names)
-        members = [_fmp_names([str(name) for name in group["param_names"]], names) for group in groups]
+        depth = _wrapper_depth([str(name) for group in groups for name in group["param_names"]], names)
+        members = [[_unwrapped(str(name), depth) for name in group["param_names"]] for group in groups]
         for index, group_names in enumerate(members):
             unknown = [name for name in group_names if name not in known]
             if unknown:
@@ -293,12 +300,13 @@ def _group_state(
 
 
 def _in_torch_order(
-    buffers: dict[str, Any], group: Mapping[str, Any], index: int, where: str
+    buffers: dict[str, Any], group: Mapping[str, Any], index: int, where: str, depth: int
 ) -> dict[str, list[torch.Tensor]]:
     """Each buffer's leaves in the order of torch param group `index`: by its `param_names` where it has them.
 
     fmp names a leaf by its key path joined by dots ("0.weight"), as `partition` does and as
-    `model.named_parameters()` names it; without torch's names, the leaves go in fmp's order.
+    `model.named_parameters()` names it, torch's without their first `depth` (wrapper) components;
+    without torch's names, the leaves go in fmp's order.
     """
     named = {
         key: {param_name(path): leaf for path, leaf in pytree.tree_flatten_with_path(tree)[0]}
@@ -309,7 +317,7 @@ def _in_torch_order(
         ordered = {key: list(leaves.values()) for key, leaves in named.items()}
     else:
         held = next(iter(named.values()))
-        names = _fmp_names([str(name) for name in group["param_names"]], list(held))
+        names = [_unwrapped(str(name), depth) for name in group["param_names"]]
         unknown, unlisted = [n for n in names if n not in held], [n for n in held if n not in names]
         if unknown or unlisted:
             problems = [f"names {unknown}, which opt_state{where} lacks"] * bool(unknown)
@@ -328,8 +336,14 @@ def _in_torch_order(
     return ordered
 
 
+def _state_names(opt_state: Any) -> list[str]:
+    """The parameter names an fmp optimizer state keeps buffers for (none for plain SGD's, or another kind)."""
+    tree = opt_state.exp_avg if isinstance(opt_state, AdamState) else getattr(opt_state, "momentum", ())
+    return [param_name(path) for path, _ in pytree.tree_flatten_with_path(tree)[0]]
+
+
 def _torch_group_state(
-    opt_state: Any, torch_optimizer: torch.optim.Optimizer, index: int, first_id: int, where: str
+    opt_state: Any, torch_optimizer: torch.optim.Optimizer, index: int, first_id: int, where: str, depth: int
 ) -> dict[int, dict[str, torch.Tensor]]:
     """Torch's per-parameter state of param group `index` (numbered from `first_id`) from one fmp state."""
     kind = type(torch_optimizer).__name__
@@ -360,7 +374,7 @@ def _torch_group_state(
         )
     if not buffers:
         return {}
-    flat = _in_torch_order(buffers, group, index, where)
+    flat = _in_torch_order(buffers, group, index, where, depth)
     torch_params: list[torch.Tensor] = list(group["params"])
     steps = int(opt_state.step)
     if steps == 0:
@@ -414,10 +428,12 @@ def to_torch_state_dict(opt_state: Any, torch_optimizer: torch.optim.Optimizer) 
     count = len(torch_optimizer.param_groups)
     if len(groups) != count:
         raise ValueError(f"opt_state holds {len(groups)} groups' state, torch_optimizer has {count} param groups")
+    torch_names = [str(name) for group in torch_optimizer.param_groups for name in group.get("param_names", ())]
+    depth = _wrapper_depth(torch_names, [name for group_state in groups.values() for name in _state_names(group_state)])
     state: dict[int, dict[str, torch.Tensor]] = {}
     first_id = 0
     for index, (label, group_state) in enumerate(groups.items()):
         where = f"[{label!r}]" if label else ""
-        state.update(_torch_group_state(group_state, torch_optimizer, index, first_id, where))
+        state.update(_torch_group_state(group_state, torch_optimizer, index, first_id, where, depth))
         first_id += len(torch_optimizer.param_groups[index]["params"])
     return {"state": state, "param_groups": torch_optimizer.state_dict()["param_groups"]}
