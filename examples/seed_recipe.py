@@ -64,9 +64,10 @@ def train_torch_amp(model: nn.Module, data: Data, epochs: int, lr: float, dtype:
 
 
 def train_fmp_autograd(
-    model: nn.Module, data: Data, epochs: int, lr: float, dtype: torch.dtype, growth: int
+    model: nn.Module, data: Data, epochs: int, lr: float, dtype: torch.dtype, growth: int, compiled: bool
 ) -> History:
-    grads = fmp.GradientBuffer.attach(model.parameters())
+    # Compiled, the unscale is one pass per buffer; eager (no C++ compiler needed), the same bits.
+    grads = fmp.GradientBuffer.attach(model.parameters(), compiled=compiled)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, fused=True)  # fused: it skips on the device
     scaler = fmp.DynamicLossScale.create(growth_interval=growth)
     history = []
@@ -116,7 +117,11 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--lr", type=float, default=0.001)
     parser.add_argument("--policy", default="params=float32,compute=bfloat16,output=float32")
-    parser.add_argument("--compile", action="store_true", help="run fmp's step under torch.compile(fullgraph=True)")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="run fmp's step under torch.compile(fullgraph=True), and GradientBuffer's unscale compiled",
+    )
     args = parser.parse_args()
 
     policy = fmp.get_policy(args.policy)
@@ -134,7 +139,9 @@ def main() -> None:
         "fp32": lambda d, e: train_fp32(fresh_model(), d, e, args.lr),
         "torch.amp": lambda d, e: train_torch_amp(fresh_model(), d, e, args.lr, policy.compute_dtype, growth),
         "fmp": lambda d, e: train_fmp(fresh_model(), d, e, args.lr, policy, growth, args.compile),
-        "fmp.autograd": lambda d, e: train_fmp_autograd(fresh_model(), d, e, args.lr, policy.compute_dtype, growth),
+        "fmp.autograd": lambda d, e: train_fmp_autograd(
+            fresh_model(), d, e, args.lr, policy.compute_dtype, growth, args.compile
+        ),
     }
     print(f"policy {policy}; {args.layers} x Linear({args.width}), batch {args.batch}, {args.batches} batches/epoch")
     seconds = {}
