@@ -145,7 +145,7 @@ class NonFiniteReport:
             # Absorbed on the way to the loss (a mask, a saturating op): not what a skip is about.
             absorbed = "the forward's inf or NaN did not reach the loss (a mask or a saturating op took it in)"
             backward = self._hints_for_backward()
-            if self.backward is not None and self.backward.made == "NaN":
+            if self.backward is not None and self.backward.made == "NaN" and not self.finite:
                 backward.insert(
                     0,
                     "but that op's backward met its inf with a zero gradient from downstream (a mask, or an op "
@@ -163,6 +163,8 @@ class NonFiniteReport:
         return self._hints_for_backward()
 
     def _hints_for_backward(self) -> list[str]:
+        if self.finite:  # what the backward made did not reach the gradients: nothing for the step to fix
+            return []
         float16_max = torch.finfo(torch.float16).max
         backward = self.backward
         # No call of the loss function made it: fmp's cast of a float16 loss, carrying the seed.

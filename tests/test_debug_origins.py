@@ -168,3 +168,17 @@ def test_a_float16_loss_that_cannot_carry_the_scaled_seed_is_explained() -> None
     text = str(report)
     assert f"from {backward.node} outside any module" in text and "``" not in text
     assert "the float16 loss cannot carry the scaled gradient seed (65536 > 65504)" in text
+
+
+def test_a_backward_nan_that_never_reaches_the_gradients_gets_no_step_advice() -> None:
+    # The norm's backward meets an inf from a captured constant and makes NaN, which relu's
+    # backward zeroes: the step applies, so nothing about the loss scale is suggested.
+    offset = torch.tensor([float("inf"), 0.0])
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.minimum((torch.relu(x @ p["w"] - 10) + offset).norm(), torch.tensor(1.0))
+
+    scaler = fmp.DynamicLossScale.create()
+    report = fmp.locate_nonfinite(loss_fn, {"w": torch.eye(2)}, torch.ones(1, 2), policy=F32, scaler=scaler)
+    assert report.finite and report.backward is not None
+    assert "gradients: finite" in str(report) and "backs off" not in str(report)

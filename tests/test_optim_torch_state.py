@@ -455,3 +455,21 @@ def test_wrapper_prefixes_are_taken_off_by_all_groups_names_together() -> None:
     back = fmp.optim.to_torch_state_dict(opt_state, optimizer)
     assert torch.equal(back["state"][0]["momentum_buffer"], optimizer.state[model.weight]["momentum_buffer"])
     assert torch.equal(back["state"][1]["momentum_buffer"], optimizer.state[model.module.weight]["momentum_buffer"])
+
+
+def test_a_wrapped_models_sgd_groups_without_momentum_convert_both_ways() -> None:
+    # Group 1 keeps no buffers: only group 0's names are paired, and they decide the prefix.
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    named = [(f"module.{n}", p) for n, p in model.named_parameters()]
+    optimizer = torch.optim.SGD(
+        [{"params": named[:2], "momentum": 0.9}, {"params": named[2:], "momentum": 0.0}], lr=0.1
+    )
+    if "param_names" not in optimizer.state_dict()["param_groups"][0]:
+        pytest.skip("this torch saves no param_names")
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    _, opt_state = fmp.optim.from_torch_state_dict("sgd", optimizer.state_dict(), params, 1)
+    back = fmp.optim.to_torch_state_dict(opt_state, optimizer)
+    assert sorted(back["state"]) == [0, 1]
+    assert torch.equal(back["state"][0]["momentum_buffer"], optimizer.state[model[0].weight]["momentum_buffer"])

@@ -428,8 +428,11 @@ def to_torch_state_dict(opt_state: Any, torch_optimizer: torch.optim.Optimizer) 
     count = len(torch_optimizer.param_groups)
     if len(groups) != count:
         raise ValueError(f"opt_state holds {len(groups)} groups' state, torch_optimizer has {count} param groups")
-    torch_names = [str(name) for group in torch_optimizer.param_groups for name in group.get("param_names", ())]
-    depth = _wrapper_depth(torch_names, [name for group_state in groups.values() for name in _state_names(group_state)])
+    # Only groups whose state keeps buffers are paired by name (a plain SGD group's keeps none).
+    states = groups.values()
+    pairs = [(group, _state_names(state)) for group, state in zip(torch_optimizer.param_groups, states, strict=True)]
+    torch_names = [str(name) for group, names in pairs if names for name in group.get("param_names", ())]
+    depth = _wrapper_depth(torch_names, [name for _, names in pairs for name in names])
     state: dict[int, dict[str, torch.Tensor]] = {}
     first_id = 0
     for index, (label, group_state) in enumerate(groups.items()):
