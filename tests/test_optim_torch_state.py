@@ -473,3 +473,43 @@ def test_a_wrapped_models_sgd_groups_without_momentum_convert_both_ways() -> Non
     back = fmp.optim.to_torch_state_dict(opt_state, optimizer)
     assert sorted(back["state"]) == [0, 1]
     assert torch.equal(back["state"][0]["momentum_buffer"], optimizer.state[model[0].weight]["momentum_buffer"])
+
+
+def test_a_scheduled_run_goes_on_with_the_schedule_given_as_lr() -> None:
+    # torch.optim + LinearLR warmup over two groups, checkpointed mid-warmup; fmp goes on with the
+    # same schedules, whose counts (Adam's applied steps) pick up where torch's left off.
+    torch.manual_seed(0)
+    model = make_model()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "lr": 1e-3, "weight_decay": 0.0}], lr=1e-2)
+    warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.25, total_iters=5)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(4, 16, generator=gen) for _ in range(6)]
+    for x in batches[:3]:
+        model(x).square().mean().backward()
+        optimizer.step()
+        warmup.step()
+        optimizer.zero_grad()
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    params = {by_id[id(p)]: p.detach().clone() for group in optimizer.param_groups for p in group["params"]}
+    schedules = {
+        "group0": fmp.optim.schedule.linear(1e-2, start_factor=0.25, total_iters=5),
+        "group1": fmp.optim.schedule.linear(1e-3, start_factor=0.25, total_iters=5),
+    }
+    fmp_optimizer, opt_state = fmp.optim.from_torch_state_dict("adamw", optimizer.state_dict(), params, 3, lr=schedules)
+    state = fmp.TrainState.create(params, fmp_optimizer, fmp.NoOpLossScale())._replace(opt_state=opt_state)
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, params, (x,)).square().mean()
+
+    for x in batches[3:]:  # the warmup's last steps and one past it
+        model(x).square().mean().backward()
+        optimizer.step()
+        warmup.step()
+        optimizer.zero_grad()
+        state, _ = fmp.train_step(loss_fn, state, x, policy=fmp.Policy(), optimizer=fmp_optimizer)
+    for name, p in model.named_parameters():  # closed-form lr against LinearLR's running product
+        torch.testing.assert_close(state.params[name], p.detach(), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match=r"lr names groups \['decay'\]; the state_dict's groups are \['group0', "):
+        fmp.optim.from_torch_state_dict("adamw", optimizer.state_dict(), params, 6, lr={"decay": 1e-3})

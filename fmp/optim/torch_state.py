@@ -13,6 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fmp._checks import check_int
+from fmp.optim._base import LearningRate
 from fmp.optim._base import Optimizer
 from fmp.optim.adam import AdamState
 from fmp.optim.adam import adam
@@ -119,8 +120,9 @@ def _flag(value: Any, key: str, index: int) -> bool:
     raise TypeError(f"the state_dict's param group {index} has {key}={value!r}, not a bool")
 
 
-def _optimizer(kind: str, group: Mapping[str, Any], index: int) -> Optimizer:
-    lr, weight_decay = _number(group["lr"], "lr", index), _number(group["weight_decay"], "weight_decay", index)
+def _optimizer(kind: str, group: Mapping[str, Any], index: int, lr_override: LearningRate | None) -> Optimizer:
+    lr: LearningRate = _number(group["lr"], "lr", index) if lr_override is None else lr_override
+    weight_decay = _number(group["weight_decay"], "weight_decay", index)
     build: Callable[[], Optimizer]
     if kind == "sgd":
         momentum, dampening = (
@@ -156,7 +158,12 @@ def _restored(name: str, entry: Mapping[str, Any], key: str, param: torch.Tensor
 
 
 def from_torch_state_dict(
-    kind: str, state_dict: Mapping[str, Any], params: Mapping[str, torch.Tensor], applied_steps: int
+    kind: str,
+    state_dict: Mapping[str, Any],
+    params: Mapping[str, torch.Tensor],
+    applied_steps: int,
+    *,
+    lr: LearningRate | Mapping[str, LearningRate] | None = None,
 ) -> tuple[Optimizer, Any]:
     """Fmp's optimizer and optimizer state equal to a `torch.optim` optimizer's `state_dict()`.
 
@@ -164,9 +171,9 @@ def from_torch_state_dict(
     `fmp.DynamicLossScale.from_state_dict`). fmp's optimizers are torch.optim's arithmetic op for
     op, so in float32 the continued run is bit-identical to torch's (tested). The hyperparameters
     come from the state_dict's param groups, as they stand; a learning-rate scheduler's state does
-    not (give the returned optimizer's settings a schedule yourself if the run used one), and
-    a momentum that OneCycleLR or CyclicLR cycles (Adam's beta1, SGD's momentum) stays at its
-    present value. A tensor `lr` is
+    not: pass the run's schedule as `lr` (an `fmp.optim.schedule` reads the applied steps, which
+    go on from torch's), and a momentum that OneCycleLR or CyclicLR cycles (Adam's beta1, SGD's
+    momentum) stays at its present value. A tensor `lr` is
     taken as a float: torch's Adam divides a tensor lr by the bias correction in float32 and fmp
     in float64, so such runs agree to about an ulp a step rather than bit for bit.
 
@@ -185,6 +192,9 @@ def from_torch_state_dict(
             no count of its own and fmp's `SgdState` does (its first step seeds the momentum
             buffers, a schedule reads it); Adam's own counts in `state_dict` go on, each group's
             one number, at most this (a group may have started late).
+        lr: The learning rate in place of the groups' present ones: a float or a schedule for
+            every group, or a dict of them by group ("group0", "group1", ..., or "all" for one
+            group), groups left out keeping theirs. None keeps every group's.
 
     Returns:
         `(optimizer, opt_state)`, for `TrainState.create(params, optimizer, scaler)._replace(opt_state=opt_state)`.
@@ -203,6 +213,11 @@ def from_torch_state_dict(
             raise TypeError(f"params[{name!r}] is a {type(param).__name__}; params must be a flat dict of tensors")
     applied_steps = check_int("applied_steps", applied_steps, 0, torch.iinfo(torch.int32).max)
     groups = _check_groups(kind, state_dict, len(params))
+    if isinstance(lr, Mapping):
+        group_labels = [f"group{index}" for index in range(len(groups))] if len(groups) > 1 else ["all"]
+        unknown = sorted(set(map(str, lr)) - set(group_labels))
+        if unknown:
+            raise ValueError(f"lr names groups {unknown}; the state_dict's groups are {group_labels}")
     names = [str(name) for name in params]  # as partition names a flat dict's leaves
     params = dict(zip(names, params.values(), strict=True))
     members = _members(groups, names)
@@ -210,7 +225,7 @@ def from_torch_state_dict(
     for index, group in enumerate(groups):
         label = f"group{index}" if len(groups) > 1 else "all"
         entries = [_entry(state_dict["state"], key) for key in group["params"]]
-        optimizers[label] = _optimizer(kind, group, index)
+        optimizers[label] = _optimizer(kind, group, index, lr.get(label) if isinstance(lr, Mapping) else lr)
         group_params = {n: params[n] for n in members[index]}
         states[label] = _group_state(kind, optimizers[label], group, group_params, entries, applied_steps)
         labels.update(dict.fromkeys(members[index], label))
