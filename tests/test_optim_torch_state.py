@@ -513,3 +513,16 @@ def test_a_scheduled_run_goes_on_with_the_schedule_given_as_lr() -> None:
         torch.testing.assert_close(state.params[name], p.detach(), rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match=r"lr names groups \['decay'\]; the state_dict's groups are \['group0', "):
         fmp.optim.from_torch_state_dict("adamw", optimizer.state_dict(), params, 6, lr={"decay": 1e-3})
+
+
+def test_plain_sgd_given_a_schedule_counts_on_from_torchs_applied_steps() -> None:
+    model = make_model()
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    fmp_optimizer, opt_state = fmp.optim.from_torch_state_dict(
+        "sgd", plain.state_dict(), params, 7, lr=fmp.optim.schedule.exponential(0.1, 0.5)
+    )
+    assert int(opt_state.step) == 7 and opt_state.momentum == ()
+    new_params, _ = fmp_optimizer.update({k: torch.ones_like(v) for k, v in params.items()}, opt_state, params)
+    name = next(iter(params))
+    torch.testing.assert_close(params[name] - new_params[name], torch.full_like(params[name], 0.1 * 0.5**7))

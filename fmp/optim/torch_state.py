@@ -275,7 +275,8 @@ def _group_state(
     fresh = optimizer.init(params)
     names = list(params)
     if kind == "sgd" and not group["momentum"]:
-        return fresh  # plain SGD keeps no state, in torch or in fmp
+        # Plain SGD keeps no state in torch; in fmp only a scheduled one does, its count, which goes on.
+        return fresh._replace(step=torch.full_like(fresh.step, applied_steps)) if fresh != () else fresh
     if not names:  # an empty group (a no-decay group of a model without biases): only its count goes on
         return fresh._replace(step=torch.full_like(fresh.step, applied_steps))
     if all(entry is None for entry in entries):
