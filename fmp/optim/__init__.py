@@ -16,8 +16,8 @@ from fmp.optim.sgd import SgdState
 from fmp.optim.sgd import sgd
 from fmp.optim.stochastic_rounding import StochasticRoundingState
 from fmp.optim.stochastic_rounding import stochastic_rounding
+from fmp.optim.to_torch import to_torch_state_dict
 from fmp.optim.torch_state import from_torch_state_dict
-from fmp.optim.torch_state import to_torch_state_dict
 
 __all__ = [
     "AdamState",
