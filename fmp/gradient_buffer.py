@@ -38,14 +38,22 @@ _ALIGNMENT_BYTES = 64
 ScaleT = TypeVar("ScaleT", bound=LossScale)
 
 
-def _describe(index: int, param: torch.Tensor) -> str:
-    return f"params[{index}] (shape {tuple(param.shape)}, {param.dtype})"
+def _describe(index: int, param: torch.Tensor, name: str | None) -> str:
+    named = f"{name!r}, " if name is not None else ""
+    return f"params[{index}] ({named}shape {tuple(param.shape)}, {param.dtype})"
 
 
-def _check_param(index: int, param: Any, first_index: dict[int, int]) -> torch.Tensor:
+def _named(entry: Any) -> tuple[str | None, Any]:
+    """An entry of `attach`'s params as `(name, param)`: a `(name, tensor)` pair, or a tensor (name None)."""
+    if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str):
+        return entry[0], entry[1]
+    return None, entry
+
+
+def _check_param(index: int, param: Any, name: str | None, first_index: dict[int, int]) -> torch.Tensor:
     if not isinstance(param, torch.Tensor):
-        raise TypeError(f"params[{index}] is a {type(param).__name__}, not a tensor")
-    where = _describe(index, param)
+        raise TypeError(f"params[{index}] is a {type(param).__name__}, not a tensor (nor a (name, tensor) pair)")
+    where = _describe(index, param, name)
     if type(param) not in (torch.Tensor, torch.nn.Parameter):
         raise TypeError(f"{where} is a {type(param).__name__}: a flat buffer holds plain tensors' gradients only")
     if param.layout != torch.strided:
@@ -161,12 +169,14 @@ class GradientBuffer:
     def __init__(
         self,
         params: tuple[torch.Tensor, ...],
+        names: tuple[str | None, ...],
         views: tuple[torch.Tensor, ...],
         buffers: tuple[torch.Tensor, ...],
         compiled: bool,
     ) -> None:
         """Wraps what `attach` built; call `attach` instead."""
         self._params = params
+        self._names = names
         self._param_ids = frozenset(id(param) for param in params)
         self._views = views
         self._buffers = buffers
@@ -175,7 +185,9 @@ class GradientBuffer:
         self._accumulation = _Accumulation(params)
 
     @classmethod
-    def attach(cls, params: Iterable[torch.Tensor], *, compiled: bool = True) -> GradientBuffer:
+    def attach(
+        cls, params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *, compiled: bool = True
+    ) -> GradientBuffer:
         """Allocates the buffers and makes each parameter's `.grad` a view into them.
 
         Parameters are grouped by dtype, one buffer per group in order of first appearance, and
@@ -184,7 +196,8 @@ class GradientBuffer:
 
         Args:
             params: Leaf tensors on one device that require grad, each listed once (e.g.
-                `model.parameters()`).
+                `model.parameters()`), or `(name, tensor)` pairs (`model.named_parameters()`),
+                whose names the errors then give.
             compiled: Whether `unscale_` and `unscale_and_clip_` run `torch.compile`d (a C++
                 compiler on CPU, seconds of compiling on first use, one pass per buffer) or
                 eagerly (`unscale_and_adjust`: no compiler, several passes); the results are
@@ -201,7 +214,9 @@ class GradientBuffer:
         """
         check_bool("compiled", compiled)
         first_index: dict[int, int] = {}
-        checked = [_check_param(i, p, first_index) for i, p in enumerate(params)]
+        named = [_named(entry) for entry in params]
+        checked = [_check_param(i, p, name, first_index) for i, (name, p) in enumerate(named)]
+        names = tuple(name for name, _ in named)
         if not checked:
             raise ValueError("params is empty: there are no gradients to keep in a buffer")
         devices = list(dict.fromkeys(str(param.device) for param in checked))
@@ -228,7 +243,7 @@ class GradientBuffer:
                     checked[i].grad = view
                     views[i] = view
                 buffers.append(buffer)
-        return cls(tuple(checked), tuple(views[i] for i in range(len(checked))), tuple(buffers), compiled)
+        return cls(tuple(checked), names, tuple(views[i] for i in range(len(checked))), tuple(buffers), compiled)
 
     def flat(self) -> tuple[torch.Tensor, ...]:
         """The buffers, one 1-D tensor per dtype, after checking each `.grad` is still its view.
@@ -248,7 +263,7 @@ class GradientBuffer:
         ):
             if param.grad is view and view.data_ptr() == pointer:
                 continue
-            where = _describe(index, param)
+            where = _describe(index, param, self._names[index])
             if param.grad is None:
                 raise RuntimeError(
                     f"{where} has .grad None, so its gradient is no longer in the buffer: zero gradients "

@@ -419,3 +419,18 @@ def test_a_shallow_copy_keeps_seeing_backwards_after_the_original_is_gone() -> N
     for _ in range(2):  # no zero_() between: the second backward's hooks must still mark the gradients
         loss_of(model, torch.randn(5, 6)).backward()
         handle.unscale_(scaler)
+
+
+def test_named_parameters_attach_alike_and_their_names_are_given() -> None:
+    model = make_model()
+    buffer = fmp.GradientBuffer.attach(model.named_parameters(), compiled=False)
+    assert all(p.grad is not None for p in model.parameters())
+    model.zero_grad()  # sets .grad to None
+    with pytest.raises(
+        RuntimeError, match=r"params\[0\] \('0\.weight', shape \(16, 6\), torch.float32\) has .grad None"
+    ):
+        buffer.flat()
+    frozen = make_model()
+    frozen[0].weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"params\[0\] \('0\.weight', shape .* does not require grad"):
+        fmp.GradientBuffer.attach(frozen.named_parameters())
