@@ -526,3 +526,51 @@ def test_plain_sgd_given_a_schedule_counts_on_from_torchs_applied_steps() -> Non
     new_params, _ = fmp_optimizer.update({k: torch.ones_like(v) for k, v in params.items()}, opt_state, params)
     name = next(iter(params))
     torch.testing.assert_close(params[name] - new_params[name], torch.full_like(params[name], 0.1 * 0.5**7))
+
+
+def exponential_run(late_group: bool, skipped: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    """Two Adam groups under ExponentialLR(0.5), three applied steps; the body frozen for the first
+    if `late_group`; the scheduler stepped `skipped` more times, as for steps torch.amp skipped."""
+    torch.manual_seed(0)
+    model = make_model()
+    head, body = list(model[3].parameters()), [p for m in list(model)[:3] for p in m.parameters()]
+    optimizer = torch.optim.Adam([{"params": head}, {"params": body}], lr=0.1)
+    decay = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)
+    for step in range(3):
+        for p in body:
+            p.requires_grad_(step > 0 or not late_group)
+        model(torch.randn(4, 16)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        decay.step()
+    for _ in range(skipped):
+        decay.step()
+    return model, optimizer, decay
+
+
+@pytest.mark.parametrize(("late_group", "skipped"), [(True, 0), (False, 2)], ids=["late-group", "skipped-steps"])
+def test_a_schedule_reads_torchs_scheduler_count_in_every_group(late_group: bool, skipped: int) -> None:
+    # A group that started late has a smaller Adam count, and torch's scheduler counted steps
+    # torch.amp skipped: the schedule must read the scheduler's count all the same.
+    model, optimizer, decay = exponential_run(late_group, skipped)
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    params = {by_id[id(p)]: p.detach().clone() for group in optimizer.param_groups for p in group["params"]}
+    fmp_optimizer, opt_state = fmp.optim.from_torch_state_dict(
+        "adam",
+        optimizer.state_dict(),
+        params,
+        3,
+        lr=fmp.optim.schedule.exponential(0.1, 0.5),
+        lr_count=decay.last_epoch,
+    )
+    state = fmp.TrainState.create(params, fmp_optimizer, fmp.NoOpLossScale())._replace(opt_state=opt_state)
+    step_both_and_compare(model, optimizer, state, fmp_optimizer, torch.randn(4, 16))
+
+
+def test_a_schedule_is_checked_where_the_run_resumes() -> None:
+    model, optimizer, _ = exponential_run(False, 0)
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    params = {by_id[id(p)]: p.detach().clone() for group in optimizer.param_groups for p in group["params"]}
+    overshoots = lambda count: 0.1 - 0.05 * count.double()  # noqa: E731  (negative from count 3 on)
+    with pytest.raises(ValueError, match=r"lr= given for param group 0: the lr schedule returned -0\.05\d* at count 3"):
+        fmp.optim.from_torch_state_dict("adam", optimizer.state_dict(), params, 3, lr=overshoots)

@@ -17,6 +17,9 @@ import torch
 from fmp._checks import check_int
 from fmp.optim._base import LearningRate
 from fmp.optim._base import Optimizer
+from fmp.optim._base import Schedule
+from fmp.optim._base import check_schedule_start
+from fmp.optim._base import step_counter
 from fmp.optim._torch_names import unwrapped
 from fmp.optim._torch_names import wrapper_depth
 from fmp.optim.adam import AdamState
@@ -25,8 +28,9 @@ from fmp.optim.adam import adamw
 from fmp.optim.partition import partition
 from fmp.optim.sgd import SgdState
 from fmp.optim.sgd import sgd
+from fmp.optim.to_torch import to_torch_state_dict  # re-exported: its home before the split
 
-__all__ = ["from_torch_state_dict"]
+__all__ = ["from_torch_state_dict", "to_torch_state_dict"]
 
 _TORCH_NAMES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
 # Settings that only choose torch's kernels, or a scheduler's own bookkeeping (LRScheduler's
@@ -119,10 +123,20 @@ def _optimizer(kind: str, group: Mapping[str, Any], index: int, lr_override: Lea
         beta1, beta2 = (_number(beta, f"betas[{i}]", index) for i, beta in enumerate(betas))
         eps = _number(group["eps"], "eps", index)
         build = functools.partial(adamw if kind == "adamw" else adam, lr, (beta1, beta2), eps, weight_decay)
-    try:  # the optimizers' own range checks, named with the group
+    try:  # the optimizers' own range checks, named with the group (or the caller's lr)
         return build()
     except (TypeError, ValueError) as error:
-        raise type(error)(f"the state_dict's param group {index}: {error}") from None
+        source = "the state_dict's" if lr_override is None else "lr= given for"
+        raise type(error)(f"{source} param group {index}: {error}") from None
+
+
+def _counted_from(schedule: Schedule, shift: int) -> Schedule:
+    """`schedule` read at the count `shift` steps ahead of the one it is given (torch's scheduler's count)."""
+
+    def shifted(count: torch.Tensor) -> torch.Tensor:
+        return schedule(count + shift)
+
+    return shifted
 
 
 def _restored(name: str, entry: Mapping[str, Any], key: str, param: torch.Tensor) -> torch.Tensor:
@@ -145,6 +159,7 @@ def from_torch_state_dict(
     applied_steps: int,
     *,
     lr: LearningRate | Mapping[str, LearningRate] | None = None,
+    lr_count: int | None = None,
 ) -> tuple[Optimizer, Any]:
     """Fmp's optimizer and optimizer state equal to a `torch.optim` optimizer's `state_dict()`.
 
@@ -175,7 +190,10 @@ def from_torch_state_dict(
             one number, at most this (a group may have started late).
         lr: The learning rate in place of the groups' present ones: a float or a schedule for
             every group, or a dict of them by group ("group0", "group1", ..., or "all" for one
-            group), groups left out keeping theirs. None keeps every group's.
+            group), groups left out keeping theirs. None keeps every group's. A schedule reads
+            torch's scheduler's count, `lr_count`, and goes on with it (each step counts one).
+        lr_count: The count torch's scheduler had reached (`scheduler.last_epoch`): it steps on
+            skipped steps too, where fmp's schedules count applied ones. None: `applied_steps`.
 
     Returns:
         `(optimizer, opt_state)`, for `TrainState.create(params, optimizer, scaler)._replace(opt_state=opt_state)`.
@@ -193,6 +211,8 @@ def from_torch_state_dict(
         if not isinstance(param, torch.Tensor):
             raise TypeError(f"params[{name!r}] is a {type(param).__name__}; params must be a flat dict of tensors")
     applied_steps = check_int("applied_steps", applied_steps, 0, torch.iinfo(torch.int32).max)
+    if lr_count is not None:
+        lr_count = check_int("lr_count", lr_count, 0, torch.iinfo(torch.int32).max)
     groups = _check_groups(kind, state_dict, len(params))
     if isinstance(lr, Mapping):
         group_labels = [f"group{index}" for index in range(len(groups))] if len(groups) > 1 else ["all"]
@@ -206,9 +226,21 @@ def from_torch_state_dict(
     for index, group in enumerate(groups):
         label = f"group{index}" if len(groups) > 1 else "all"
         entries = [_entry(state_dict["state"], key) for key in group["params"]]
-        optimizers[label] = _optimizer(kind, group, index, lr.get(label) if isinstance(lr, Mapping) else lr)
+        override = lr.get(label) if isinstance(lr, Mapping) else lr
         group_params = {n: params[n] for n in members[index]}
-        states[label] = _group_state(kind, optimizers[label], group, group_params, entries, applied_steps)
+        # The state from the group's own settings; a schedule given for it then reads its count.
+        as_saved = _optimizer(kind, group, index, None)
+        state = _group_state(kind, as_saved, group, group_params, entries, applied_steps)
+        if callable(override):
+            if state == ():  # plain SGD: a scheduled one counts its applied steps
+                state = SgdState(torch.full_like(step_counter(group_params), applied_steps), ())
+            # The count the group's schedule reads may lag torch's scheduler's: the group started
+            # late (Adam's own count), or torch.amp skipped steps the scheduler still counted.
+            shift = (applied_steps if lr_count is None else lr_count) - int(state.step)
+            override = override if shift == 0 else _counted_from(override, shift)
+            check_schedule_start(override, state.step, f"lr= given for param group {index}")
+        optimizers[label] = as_saved if override is None else _optimizer(kind, group, index, override)
+        states[label] = state
         labels.update(dict.fromkeys(members[index], label))
     if len(groups) == 1:
         return optimizers["all"], states["all"]
