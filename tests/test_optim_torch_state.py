@@ -574,3 +574,34 @@ def test_a_schedule_is_checked_where_the_run_resumes() -> None:
     overshoots = lambda count: 0.1 - 0.05 * count.double()  # noqa: E731  (negative from count 3 on)
     with pytest.raises(ValueError, match=r"lr= given for param group 0: the lr schedule returned -0\.05\d* at count 3"):
         fmp.optim.from_torch_state_dict("adam", optimizer.state_dict(), params, 3, lr=overshoots)
+
+
+def test_a_scheduler_started_mid_run_and_a_replaced_saved_lr_are_taken() -> None:
+    # Three applied steps, the scheduler (a warmup) created after two: lr_count 1 < applied_steps.
+    model, optimizer, _ = exponential_run(False, 0)
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    params = {by_id[id(p)]: p.detach().clone() for group in optimizer.param_groups for p in group["params"]}
+    warmup = fmp.optim.schedule.linear(0.1, start_factor=0.1, total_iters=10)  # negative below count 0
+    fmp_optimizer, opt_state = fmp.optim.from_torch_state_dict(
+        "adam", optimizer.state_dict(), params, 3, lr=warmup, lr_count=1
+    )
+    state = fmp.TrainState.create(params, fmp_optimizer, fmp.NoOpLossScale())._replace(opt_state=opt_state)
+    _, info = fmp.train_step(
+        lambda p, x: torch.func.functional_call(model, p, (x,)).square().mean(),
+        state,
+        torch.randn(4, 16),
+        policy=fmp.Policy(),
+        optimizer=fmp_optimizer,
+    )
+    assert bool(info.applied)
+    # A saved lr that fmp would refuse is no matter when lr= replaces it.
+    saved = optimizer.state_dict()
+    saved["param_groups"][0]["lr"] = -0.05
+    fmp.optim.from_torch_state_dict("adam", saved, params, 3, lr=warmup)
+    with pytest.raises(ValueError, match=r"the state_dict's param group 0: lr must be in \[0\.0, inf\), got -0\.05"):
+        fmp.optim.from_torch_state_dict("adam", saved, params, 3)
+    with pytest.raises(ValueError, match="lr_count is the count a schedule given as lr= reads; without one"):
+        fmp.optim.from_torch_state_dict("adam", optimizer.state_dict(), params, 3, lr_count=5)
+    negative_from_11 = lambda count: 0.1 - 0.01 * count.double()  # noqa: E731
+    with pytest.raises(ValueError, match=r"returned -0\.0099\d* at count 11"):  # the scheduler's count, not fmp's
+        fmp.optim.from_torch_state_dict("adam", optimizer.state_dict(), params, 3, lr=negative_from_11, lr_count=11)

@@ -114,6 +114,9 @@ def to_torch_state_dict(opt_state: Any, torch_optimizer: torch.optim.Optimizer) 
     cannot be checked here), then `torch_optimizer.load_state_dict(to_torch_state_dict(...))`.
     The state's tensors are copied, so the two optimizers share nothing. Together with
     `torch.amp.GradScaler.load_state_dict(state.scaler.state_dict())` a run moves back to torch.amp.
+    The param groups are `torch_optimizer`'s own, lr included: where fmp ran a schedule, set each
+    group's lr to the schedule's present value (and a torch scheduler's `last_epoch` to its count)
+    first, since torch's chainable schedulers go on from the lr they find.
 
     Note:
         Reads the step counts on the host (a sync), as a checkpoint conversion may.

@@ -105,7 +105,9 @@ def _flag(value: Any, key: str, index: int) -> bool:
     raise TypeError(f"the state_dict's param group {index} has {key}={value!r}, not a bool")
 
 
-def _optimizer(kind: str, group: Mapping[str, Any], index: int, lr_override: LearningRate | None) -> Optimizer:
+def _optimizer(
+    kind: str, group: Mapping[str, Any], index: int, lr_override: LearningRate | None, source: str
+) -> Optimizer:
     lr: LearningRate = _number(group["lr"], "lr", index) if lr_override is None else lr_override
     weight_decay = _number(group["weight_decay"], "weight_decay", index)
     build: Callable[[], Optimizer]
@@ -126,15 +128,18 @@ def _optimizer(kind: str, group: Mapping[str, Any], index: int, lr_override: Lea
     try:  # the optimizers' own range checks, named with the group (or the caller's lr)
         return build()
     except (TypeError, ValueError) as error:
-        source = "the state_dict's" if lr_override is None else "lr= given for"
         raise type(error)(f"{source} param group {index}: {error}") from None
 
 
 def _counted_from(schedule: Schedule, shift: int) -> Schedule:
-    """`schedule` read at the count `shift` steps ahead of the one it is given (torch's scheduler's count)."""
+    """`schedule` read at the count `shift` steps ahead of the one it is given (torch's scheduler's count).
+
+    Never below 0: a resumed run reads counts from its own on, where the shifted count is torch's
+    and at least 0; only an `init` check at a fresh counter reads lower ones.
+    """
 
     def shifted(count: torch.Tensor) -> torch.Tensor:
-        return schedule(count + shift)
+        return schedule((count + shift).clamp(min=0))
 
     return shifted
 
@@ -213,6 +218,8 @@ def from_torch_state_dict(
     applied_steps = check_int("applied_steps", applied_steps, 0, torch.iinfo(torch.int32).max)
     if lr_count is not None:
         lr_count = check_int("lr_count", lr_count, 0, torch.iinfo(torch.int32).max)
+        if not any(callable(value) for value in (lr.values() if isinstance(lr, Mapping) else [lr])):
+            raise ValueError("lr_count is the count a schedule given as lr= reads; without one it would do nothing")
     groups = _check_groups(kind, state_dict, len(params))
     if isinstance(lr, Mapping):
         group_labels = [f"group{index}" for index in range(len(groups))] if len(groups) > 1 else ["all"]
@@ -228,18 +235,23 @@ def from_torch_state_dict(
         entries = [_entry(state_dict["state"], key) for key in group["params"]]
         override = lr.get(label) if isinstance(lr, Mapping) else lr
         group_params = {n: params[n] for n in members[index]}
-        # The state from the group's own settings; a schedule given for it then reads its count.
-        as_saved = _optimizer(kind, group, index, None)
+        # The state from the group's settings (a saved lr replaced by `lr` need not be valid);
+        # a schedule given for it then reads torch's scheduler's count.
+        as_saved = _optimizer(kind, group, index, None if override is None else 0.0, "the state_dict's")
         state = _group_state(kind, as_saved, group, group_params, entries, applied_steps)
         if callable(override):
             if state == ():  # plain SGD: a scheduled one counts its applied steps
                 state = SgdState(torch.full_like(step_counter(group_params), applied_steps), ())
-            # The count the group's schedule reads may lag torch's scheduler's: the group started
-            # late (Adam's own count), or torch.amp skipped steps the scheduler still counted.
-            shift = (applied_steps if lr_count is None else lr_count) - int(state.step)
+            # Checked where torch's scheduler is, the count it reads next.
+            scheduler_count = applied_steps if lr_count is None else lr_count
+            check_schedule_start(
+                override, torch.full_like(state.step, scheduler_count), f"lr= given for param group {index}"
+            )
+            # The group's own count may lag the scheduler's: the group started late (Adam's own
+            # count), or torch.amp skipped steps the scheduler still counted.
+            shift = scheduler_count - int(state.step)
             override = override if shift == 0 else _counted_from(override, shift)
-            check_schedule_start(override, state.step, f"lr= given for param group {index}")
-        optimizers[label] = as_saved if override is None else _optimizer(kind, group, index, override)
+        optimizers[label] = as_saved if override is None else _optimizer(kind, group, index, override, "lr= given for")
         states[label] = state
         labels.update(dict.fromkeys(members[index], label))
     if len(groups) == 1:
