@@ -36,6 +36,12 @@ def torch_run(kind: str, steps: int) -> tuple[torch.nn.Module, torch.optim.Optim
     return model, optimizer, batches
 
 
+def params_in_group_order(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Copies of the params by name, in the order the optimizer was given them: group by group."""
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    return {by_id[id(p)]: p.detach().clone() for group in optimizer.param_groups for p in group["params"]}
+
+
 def step_both_and_compare(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -253,9 +259,7 @@ def test_several_param_groups_become_a_partition_and_continue_bit_for_bit() -> N
         model(x).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
-    # The params in the order the optimizer was given them: group by group.
-    by_id = {id(p): name for name, p in model.named_parameters()}
-    params = {by_id[id(p)]: p.detach().clone() for group in optimizer.param_groups for p in group["params"]}
+    params = params_in_group_order(model, optimizer)
     fmp_optimizer, opt_state = fmp.optim.from_torch_state_dict("adamw", optimizer.state_dict(), params, 3)
     assert sorted(opt_state) == ["group0", "group1"] and sorted(opt_state["group1"].exp_avg) == [
         "0.bias",
@@ -491,8 +495,7 @@ def test_a_scheduled_run_goes_on_with_the_schedule_given_as_lr() -> None:
         optimizer.step()
         warmup.step()
         optimizer.zero_grad()
-    by_id = {id(p): name for name, p in model.named_parameters()}
-    params = {by_id[id(p)]: p.detach().clone() for group in optimizer.param_groups for p in group["params"]}
+    params = params_in_group_order(model, optimizer)
     schedules = {
         "group0": fmp.optim.schedule.linear(1e-2, start_factor=0.25, total_iters=5),
         "group1": fmp.optim.schedule.linear(1e-3, start_factor=0.25, total_iters=5),
@@ -553,8 +556,7 @@ def test_a_schedule_reads_torchs_scheduler_count_in_every_group(late_group: bool
     # A group that started late has a smaller Adam count, and torch's scheduler counted steps
     # torch.amp skipped: the schedule must read the scheduler's count all the same.
     model, optimizer, decay = exponential_run(late_group, skipped)
-    by_id = {id(p): name for name, p in model.named_parameters()}
-    params = {by_id[id(p)]: p.detach().clone() for group in optimizer.param_groups for p in group["params"]}
+    params = params_in_group_order(model, optimizer)
     fmp_optimizer, opt_state = fmp.optim.from_torch_state_dict(
         "adam",
         optimizer.state_dict(),
@@ -569,8 +571,7 @@ def test_a_schedule_reads_torchs_scheduler_count_in_every_group(late_group: bool
 
 def test_a_schedule_is_checked_where_the_run_resumes() -> None:
     model, optimizer, _ = exponential_run(False, 0)
-    by_id = {id(p): name for name, p in model.named_parameters()}
-    params = {by_id[id(p)]: p.detach().clone() for group in optimizer.param_groups for p in group["params"]}
+    params = params_in_group_order(model, optimizer)
     overshoots = lambda count: 0.1 - 0.05 * count.double()  # noqa: E731  (negative from count 3 on)
     with pytest.raises(ValueError, match=r"lr= given for param group 0: the lr schedule returned -0\.05\d* at count 3"):
         fmp.optim.from_torch_state_dict("adam", optimizer.state_dict(), params, 3, lr=overshoots)
@@ -579,8 +580,7 @@ def test_a_schedule_is_checked_where_the_run_resumes() -> None:
 def test_a_scheduler_started_mid_run_and_a_replaced_saved_lr_are_taken() -> None:
     # Three applied steps, the scheduler (a warmup) created after two: lr_count 1 < applied_steps.
     model, optimizer, _ = exponential_run(False, 0)
-    by_id = {id(p): name for name, p in model.named_parameters()}
-    params = {by_id[id(p)]: p.detach().clone() for group in optimizer.param_groups for p in group["params"]}
+    params = params_in_group_order(model, optimizer)
     warmup = fmp.optim.schedule.linear(0.1, start_factor=0.1, total_iters=10)  # negative below count 0
     fmp_optimizer, opt_state = fmp.optim.from_torch_state_dict(
         "adam", optimizer.state_dict(), params, 3, lr=warmup, lr_count=1
