@@ -21,7 +21,7 @@ from fmp._struct import static_field
 from fmp.grad import ScalerTree
 from fmp.tree import all_finite
 from fmp.tree import check_finite_flag
-from fmp.tree import tree_device
+from fmp.tree import tree_accelerator_device
 
 __all__ = ["AccumulatedGradients", "GradientAccumulator"]
 
@@ -89,7 +89,7 @@ class GradientAccumulator:
             TypeError, ValueError: If `steps` is not an int in [1, 2**31 - 1].
         """
         check_int("steps", steps, 1, torch.iinfo(torch.int32).max)
-        device = tree_device(params)
+        device = tree_accelerator_device(params)
         true = torch.ones((), dtype=torch.bool, device=device)
         per_loss = tuple(true.clone() for _ in scaler) if isinstance(scaler, tuple) else true.clone()
         return cls(

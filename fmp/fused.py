@@ -36,6 +36,7 @@ from fmp.loss_scale import unscale_in_place
 from fmp.optim.clip import clip_tree_by_global_norm
 from fmp.tree import all_finite
 from fmp.tree import check_no_opaque_leaves
+from fmp.tree import check_on_device
 from fmp.tree import tree_accelerator_device
 from fmp.tree import tree_device
 
@@ -55,13 +56,10 @@ def _check_arguments(scaler: Any, scaled_grads: Any, donate: Any) -> torch.devic
     check_scaler(scaler)
     check_bool("donate", donate)
     check_no_opaque_leaves(pytree.tree_leaves(scaled_grads), scaled_grads, "scaled_grads")
-    grads_device, scaler_device = tree_device(scaled_grads), tree_device(scaler)
-    if grads_device is not None and scaler_device is not None and grads_device != scaler_device:
-        raise ValueError(
-            f"the scaler is on {scaler_device} but the gradients are on {grads_device}; "
-            f"create it there (e.g. DynamicLossScale.create(device={str(grads_device)!r}))"
-        )
-    return tree_accelerator_device(scaled_grads) or scaler_device or torch.device("cpu")
+    grads_device = tree_accelerator_device(scaled_grads)
+    hint = f"create it there (DynamicLossScale.create(device={str(grads_device)!r}))"
+    check_on_device(scaler, grads_device, "scaler", "gradients", hint)
+    return grads_device or tree_device(scaler) or torch.device("cpu")
 
 
 def unscale_and_adjust(

@@ -25,9 +25,12 @@ from fmp.loss_scale import check_scaler
 from fmp.policy import Policy
 from fmp.tree import all_finite
 from fmp.tree import check_no_opaque_leaves
+from fmp.tree import check_on_device
 from fmp.tree import functorch_base
+from fmp.tree import tree_accelerator_device
 
 __all__ = [
+    "SCALER_DEVICE_HINT",
     "Gradients",
     "ScalerTree",
     "check_param_leaves",
@@ -38,6 +41,7 @@ __all__ = [
     "with_policy",
 ]
 
+SCALER_DEVICE_HINT = "create it there (DynamicLossScale.create(device=...)); TrainState.create moves it there"
 LossFn = Callable[..., Any]
 ScalerTree = LossScale | tuple[LossScale, ...]
 """One loss-scale state, or a tuple of them, one per loss."""
@@ -311,6 +315,7 @@ def mixed_precision_grad(
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be an fmp.Policy (e.g. fmp.get_policy('c=bf16')), got {type(policy).__name__}")
     check_params(params, policy)
+    check_on_device(scaler, tree_accelerator_device(params), "scaler", "params", SCALER_DEVICE_HINT)
     scalers = scaler if isinstance(scaler, tuple) else (scaler,)
     forward = _forward(loss_fn, policy)
 

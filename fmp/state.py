@@ -14,7 +14,7 @@ from fmp.grad import ScalerTree
 from fmp.grad import check_param_leaves
 from fmp.grad import check_scalers
 from fmp.optim._base import Optimizer
-from fmp.tree import tree_device
+from fmp.tree import tree_accelerator_device
 
 __all__ = ["StepCounts", "TrainState", "check_optimizer"]
 
@@ -95,8 +95,9 @@ class TrainState(NamedTuple):
             params: The parameters, a pytree of tensors.
             optimizer: A pure optimizer, e.g. `fmp.optim.adamw(...)`.
             scaler: The loss-scale state, or a tuple of them for a loss function that returns as
-                many losses; its tensors move to the device of the first parameter, so a compiled
-                step sees one device from the first call on.
+                many losses; its tensors move to the params' device (the first accelerator among
+                several), where the step's finite flag lives, so a compiled step sees one device
+                from the first call on.
             accumulation_steps: Micro-batches per optimizer step: with more than 1, each call of
                 the step adds its gradients to float32 accumulators, and every
                 `accumulation_steps`-th call updates with their mean (see `GradientAccumulator`).
@@ -111,7 +112,7 @@ class TrainState(NamedTuple):
         check_scalers(scaler)
         check_param_leaves(params)
         steps = check_int("accumulation_steps", accumulation_steps, 1, torch.iinfo(torch.int32).max)
-        device = tree_device(params)
+        device = tree_accelerator_device(params)
         if device is not None:
             scaler = pytree.tree_map(lambda t: t.to(device), scaler)
         accumulator = GradientAccumulator.create(params, scaler, steps) if steps > 1 else ()

@@ -38,8 +38,9 @@ from fmp.state import StepCounts
 from fmp.state import TrainState
 from fmp.state import check_optimizer
 from fmp.tree import check_finite_flag
+from fmp.tree import check_on_device
 from fmp.tree import select_tree
-from fmp.tree import tree_device
+from fmp.tree import tree_accelerator_device
 
 __all__ = ["LossScaleStalledError", "StepInfo", "mixed_precision_step", "raise_if_stalled", "train_step"]
 
@@ -197,7 +198,8 @@ def train_step(
         TypeError: If `state` is not a TrainState, `optimizer` not an Optimizer, or `donate` or
             `grad_norm` not a bool.
         ValueError: If `donate` and the state lists one tensor twice (under torch.compile Dynamo
-            reports it as `torch._dynamo.exc.Unsupported` carrying this message).
+            reports it as `torch._dynamo.exc.Unsupported` carrying this message), or the scaler
+            or the counts are on another device than the params (their first accelerator).
     """
     check_bool("donate", donate)
     check_bool("grad_norm", grad_norm)
@@ -206,6 +208,8 @@ def train_step(
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be an fmp.TrainState (TrainState.create(...)), got {type(state).__name__}")
     check_optimizer(optimizer)
+    hint = "build the state with TrainState.create, which puts it there"
+    check_on_device(state.counts, tree_accelerator_device(state.params), "state.counts", "params", hint)
     if donate:
         check_distinct(state, "state")  # before anything is written
     params, opt_state, scaler = state.params, state.opt_state, state.scaler
@@ -289,7 +293,7 @@ def mixed_precision_step(
             "mixed_precision_step takes a stateless optimizer; this one keeps state "
             "(momentum, moments): use fmp.train_step with fmp.TrainState.create(params, optimizer, scaler)"
         )
-    state = TrainState(params, opt_state, scaler, StepCounts.zeros(tree_device(params)), ())
+    state = TrainState(params, opt_state, scaler, StepCounts.zeros(tree_accelerator_device(params)), ())
     new_state, _ = train_step(loss_fn, state, *args, policy=policy, optimizer=optimizer, donate=donate)
     return new_state.params, cast(LossScale, new_state.scaler)
 

@@ -20,6 +20,7 @@ __all__ = [
     "cast_floating",
     "check_finite_flag",
     "check_no_opaque_leaves",
+    "check_on_device",
     "functorch_base",
     "is_floating_tensor",
     "is_inexact_tensor",
@@ -87,6 +88,19 @@ def check_no_opaque_leaves(leaves: list[Any], tree: Any, name: str, *, allow_mod
 def tree_device(tree: Any) -> torch.device | None:
     """The device of the first tensor leaf of `tree`, or None when it holds no tensor."""
     return next((x.device for x in pytree.tree_iter(tree) if isinstance(x, torch.Tensor)), None)
+
+
+def check_on_device(tree: Any, device: torch.device | None, name: str, owner: str, hint: str) -> None:
+    """Raises a ValueError naming the first tensor leaf of `tree` not on `device`, the `owner`'s (None: any).
+
+    A step's state kept on another device than its params would drift to theirs on the first
+    update (a 0-dim CPU tensor mixes with CUDA tensors), and a compiled step would recompile for it.
+    """
+    if device is None:
+        return
+    for path, leaf in pytree.tree_flatten_with_path(tree)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.device != device:
+            raise ValueError(f"{name}{pytree.keystr(path)} is on {leaf.device} but the {owner} are on {device}; {hint}")
 
 
 def tree_accelerator_device(tree: Any) -> torch.device | None:

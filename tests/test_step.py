@@ -299,6 +299,30 @@ def test_train_state_create_checks_types_and_moves_the_scaler_to_the_params() ->
     assert state.scaler.hysteresis == 2
 
 
+def test_a_scaler_or_counts_on_another_device_than_the_params_are_named() -> None:
+    # Left there, they would drift to the params' device on the first update (and recompile).
+    params, x = {"w": torch.ones(3, device="meta")}, torch.ones(3, device="meta")
+    sgd, policy = fmp.optim.sgd(0.1), fmp.Policy()
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return (params["w"] * x).sum()
+
+    with pytest.raises(ValueError, match=r"scaler\.loss_scale is on cpu but the params are on meta"):
+        fmp.mixed_precision_step(loss_fn, params, fmp.DynamicLossScale.create(), x, policy=policy, optimizer=sgd)
+    scalers = (fmp.NoOpLossScale.create(), fmp.StaticLossScale.create(4.0))
+    with pytest.raises(ValueError, match=r"scaler\[1\]\.loss_scale is on cpu but the params are on meta"):
+        fmp.mixed_precision_grad(loss_fn, params, scalers, x, policy=policy)
+    state = fmp.TrainState.create(params, sgd, fmp.DynamicLossScale.create())._replace(counts=fmp.StepCounts.zeros())
+    with pytest.raises(ValueError, match=r"state\.counts\.applied is on cpu but the params are on meta"):
+        fmp.train_step(loss_fn, state, x, policy=policy, optimizer=sgd)
+    # Params on the CPU and on an accelerator (meta stands for one): the state goes where the flag does.
+    mixed = {"bias": torch.ones(3), "w": torch.ones(3, device="meta")}
+    state = fmp.TrainState.create(mixed, fmp.optim.adam(), fmp.DynamicLossScale.create(), accumulation_steps=2)
+    assert state.opt_state.step.device.type == "meta"
+    assert {t.device.type for t in pytree.tree_leaves((state.scaler, state.counts))} == {"meta"}
+    assert {state.accumulator.micro_steps.device.type, state.accumulator.grads_finite.device.type} == {"meta"}
+
+
 @given(st.integers(-8, 20))
 def test_complex_parameters_are_unscaled_and_checked(exponent: int) -> None:
     def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fmp._checks import check_real
-from fmp.tree import tree_device
+from fmp.tree import tree_accelerator_device
 
 __all__ = [
     "LearningRate",
@@ -228,8 +228,8 @@ def scheduled_lr(lr: LearningRate, count: torch.Tensor) -> float | torch.Tensor:
 
 
 def step_counter(params: Any) -> torch.Tensor:
-    """A 0-dim int32 zero on the device of the first tensor leaf of `params` (CPU if none)."""
-    return torch.zeros((), dtype=torch.int32, device=tree_device(params))
+    """A 0-dim int32 zero where the step's finite flag lives: the params' first accelerator, else CPU."""
+    return torch.zeros((), dtype=torch.int32, device=tree_accelerator_device(params))
 
 
 def tree_zeros_like(tree: Any) -> Any:
