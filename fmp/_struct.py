@@ -16,7 +16,7 @@ import optree
 import torch.utils._pytree as torch_pytree
 from typing_extensions import dataclass_transform
 
-__all__ = ["OPTREE_NAMESPACE", "pytree_dataclass", "replace", "static_field"]
+__all__ = ["OPTREE_NAMESPACE", "pytree_dataclass", "replace", "serializable_namedtuple", "static_field"]
 
 OPTREE_NAMESPACE = "fmp"
 """The optree namespace fmp's state classes are registered under: `optree.tree_flatten(x, namespace=...)`."""
@@ -105,3 +105,16 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
         namespace=OPTREE_NAMESPACE,
     )
     return data_cls
+
+
+NamedTupleT = TypeVar("NamedTupleT", bound=type)
+
+
+def serializable_namedtuple(cls: NamedTupleT) -> NamedTupleT:
+    """Class decorator: gives a NamedTuple a name in torch's serialized treespecs.
+
+    Every NamedTuple is a pytree, but `torch.utils._pytree.treespec_dumps` (and so `torch.export.save`
+    of a program taking or returning fmp's state) refuses one registered without a name.
+    """
+    torch_pytree._register_namedtuple(cls, serialized_type_name=f"{cls.__module__}.{cls.__qualname__}")
+    return cls

@@ -17,6 +17,7 @@ import torch.utils._pytree as pytree
 from fmp._checks import check_int
 from fmp._struct import pytree_dataclass
 from fmp._struct import replace
+from fmp._struct import serializable_namedtuple
 from fmp._struct import static_field
 from fmp.grad import ScalerTree
 from fmp.tree import all_finite
@@ -31,6 +32,7 @@ def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+@serializable_namedtuple
 class AccumulatedGradients(NamedTuple):
     """What `GradientAccumulator.add` returns for one micro-batch.
 

@@ -19,6 +19,7 @@ import torch.utils._pytree as pytree
 
 from fmp._backward import grad_and_aux
 from fmp._checks import check_bool
+from fmp._struct import serializable_namedtuple
 from fmp.autocast import autocast
 from fmp.loss_scale import LossScale
 from fmp.loss_scale import check_scaler
@@ -47,6 +48,7 @@ ScalerTree = LossScale | tuple[LossScale, ...]
 """One loss-scale state, or a tuple of them, one per loss."""
 
 
+@serializable_namedtuple
 class Gradients(NamedTuple):
     """What `mixed_precision_grad` returns.
 

@@ -9,6 +9,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fmp._checks import check_int
+from fmp._struct import serializable_namedtuple
 from fmp.accumulate import GradientAccumulator
 from fmp.grad import ScalerTree
 from fmp.grad import check_param_leaves
@@ -19,6 +20,7 @@ from fmp.tree import tree_accelerator_device
 __all__ = ["StepCounts", "TrainState", "check_optimizer"]
 
 
+@serializable_namedtuple
 class StepCounts(NamedTuple):
     """Optimizer steps applied and skipped, counted on device (no host sync), as 0-dim int64 tensors.
 
@@ -67,6 +69,7 @@ class StepCounts(NamedTuple):
         )
 
 
+@serializable_namedtuple
 class TrainState(NamedTuple):
     """Everything a training step updates.
 

@@ -23,6 +23,7 @@ from fmp._donation import copy_aliases
 from fmp._donation import donate_into
 from fmp._donation import select_into
 from fmp._donation import writes_in_place
+from fmp._struct import serializable_namedtuple
 from fmp.accumulate import GradientAccumulator
 from fmp.grad import Gradients
 from fmp.grad import LossFn
@@ -47,6 +48,7 @@ __all__ = ["LossScaleStalledError", "StepInfo", "mixed_precision_step", "raise_i
 Params = TypeVar("Params")
 
 
+@serializable_namedtuple
 class StepInfo(NamedTuple):
     """What a training step reports, for logging; all on device.
 

@@ -7,6 +7,7 @@ import pickle
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from conftest import assert_trees_bitwise_equal
 from conftest import grad_scaler_step
 from conftest import mlp_batches
@@ -157,3 +158,30 @@ def test_whole_train_states_load_with_weights_only(optimizer: fmp.optim.Optimize
         restored = torch.load(buffer, weights_only=True)
     assert_trees_bitwise_equal(restored, state)
     assert type(restored.scaler) is type(scaler)
+
+
+def test_treespecs_of_the_state_serialize_and_torch_export_saves_a_program_taking_it() -> None:
+    optimizer = fmp.optim.ema(fmp.optim.adamw(1e-2))
+    scalers = (fmp.DynamicLossScale.create(init_scale=8.0), fmp.StaticLossScale.create(2.0))
+    state = fmp.TrainState.create(mlp_params(), optimizer, scalers, accumulation_steps=2)
+    x, y = next(mlp_batches(1, overflow_every=0))
+    def two_losses(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return mlp_loss(params, x, y), mlp_loss(params, x, 2 * y)
+
+    _, info = fmp.train_step(two_losses, state, x, y, policy=fmp.Policy(), optimizer=optimizer, grad_norm=True)
+    gradients = fmp.mixed_precision_grad(mlp_loss, state.params, scalers[0], x, y, policy=fmp.Policy())
+    for tree in (state, info, gradients, fmp.optim.sgd(0.1, momentum=0.9).init(state.params)):
+        spec = pytree.tree_structure(tree)
+        assert pytree.treespec_loads(pytree.treespec_dumps(spec)) == spec
+
+    class Adjust(torch.nn.Module):
+        def forward(self, state: fmp.TrainState) -> tuple[fmp.LossScale, fmp.StepCounts]:
+            finite = fmp.all_finite(state.params)
+            return state.scaler[0].adjust(finite), state.counts.advance(finite, finite, ~finite)
+
+    buffer = io.BytesIO()
+    torch.export.save(torch.export.export(Adjust(), (state,)), buffer)
+    buffer.seek(0)
+    with torch.serialization.safe_globals(fmp.checkpoint_classes()):
+        loaded = torch.export.load(buffer)
+    assert_trees_bitwise_equal(loaded.module()(state), Adjust()(state))

@@ -9,6 +9,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fmp._checks import check_real
+from fmp._struct import serializable_namedtuple
 from fmp.optim._base import Optimizer
 from fmp.optim._base import check_state
 from fmp.optim._base import step_counter
@@ -17,6 +18,7 @@ from fmp.optim._base import unflatten_as
 __all__ = ["EmaState", "ema"]
 
 
+@serializable_namedtuple
 class EmaState(NamedTuple):
     """State of `ema`.
 

@@ -11,6 +11,7 @@ import torch.utils._pytree as pytree
 
 from fmp._checks import check_bool
 from fmp._checks import check_real
+from fmp._struct import serializable_namedtuple
 from fmp.optim._base import LearningRate
 from fmp.optim._base import Optimizer
 from fmp.optim._base import check_lr
@@ -26,6 +27,7 @@ from fmp.optim._base import unflatten_as
 __all__ = ["SgdState", "sgd"]
 
 
+@serializable_namedtuple
 class SgdState(NamedTuple):
     """State of SGD with momentum, or with a learning-rate schedule.
 

@@ -9,6 +9,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fmp._checks import check_int
+from fmp._struct import serializable_namedtuple
 from fmp.optim._base import Optimizer
 from fmp.optim._base import check_state
 from fmp.optim._base import step_counter
@@ -20,6 +21,7 @@ __all__ = ["StochasticRoundingState", "stochastic_rounding"]
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 
+@serializable_namedtuple
 class StochasticRoundingState(NamedTuple):
     """State of `stochastic_rounding`.
 
