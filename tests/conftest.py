@@ -118,3 +118,15 @@ def grad_scaler_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimi
     param.grad = torch.full((3,), 1.0 if finite else float("inf"))
     scaler.step(optimizer)
     scaler.update()
+
+
+def block_fn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """A small block for fmp.remat: two matmuls with a tanh and a softmax between them."""
+    return torch.tanh(x @ w1).softmax(-1) @ w2
+
+
+def block_weights(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`block_fn`'s input and weights, from their own generator."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 8, generator=generator)
+    return x, torch.randn(8, 16, generator=generator) / 3, torch.randn(16, 8, generator=generator) / 4

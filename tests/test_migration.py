@@ -165,6 +165,7 @@ def test_treespecs_of_the_state_serialize_and_torch_export_saves_a_program_takin
     scalers = (fmp.DynamicLossScale.create(init_scale=8.0), fmp.StaticLossScale.create(2.0))
     state = fmp.TrainState.create(mlp_params(), optimizer, scalers, accumulation_steps=2)
     x, y = next(mlp_batches(1, overflow_every=0))
+
     def two_losses(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return mlp_loss(params, x, y), mlp_loss(params, x, 2 * y)
 
