@@ -37,8 +37,10 @@ _KEYS |= {"output": "output_dtype", "o": "output_dtype", "reduce": "reduce_dtype
 _LOW_DTYPES = frozenset({torch.float16, torch.bfloat16})
 _DEFAULT_RULES = "cuda"
 
-# Device types whose preferred 16-bit float is bfloat16 (torch.autocast's default there); float16 elsewhere.
-_BFLOAT16_DEVICE_TYPES = frozenset({"cpu", "xla", "xpu", "hpu"})
+# Device types where torch.autocast's default dtype is bfloat16 (float16 elsewhere, XPU and MPS included).
+# Not asked of torch.get_autocast_dtype, which inside a region (or after set_autocast_dtype) reports that
+# dtype instead; tests compare the set with torch's defaults.
+_BFLOAT16_DEVICE_TYPES = frozenset({"cpu", "xla", "hpu", "maia"})
 
 
 def _accelerator_type() -> str:
@@ -61,7 +63,7 @@ def _device_type(device: str | torch.device) -> str:
 
 
 def half_dtype(device_type: str | torch.device | None = None) -> torch.dtype:
-    """Returns the platform's 16-bit float: bfloat16 on CPU (and XLA, XPU, HPU), float16 elsewhere.
+    """Returns the platform's 16-bit float, torch.autocast's default: bfloat16 on CPU (and XLA, HPU, MAIA), else float16.
 
     Args:
         device_type: A device type such as "cuda" or "cpu", or a device ("cuda:1", `x.device`);

@@ -39,9 +39,16 @@ def test_half_follows_the_device_type() -> None:
     assert fmp.half_dtype("cuda") == F16 and fmp.half_dtype("cpu") == BF16
 
 
+@pytest.mark.parametrize("device_type", ["cpu", "cuda", "xpu", "mps", "hpu", "xla", "maia", "mtia", "ipu"])
+def test_half_is_torch_autocasts_default_dtype(device_type: str) -> None:
+    assert fmp.half_dtype(device_type) == torch.get_autocast_dtype(device_type)
+    with torch.autocast("cpu", dtype=torch.float16):  # a region's dtype is not the default
+        assert fmp.half_dtype("cpu") == BF16
+
+
 @pytest.mark.parametrize(
     ("device", "expected"),
-    [(torch.device("cpu"), BF16), ("cpu:0", BF16), (torch.device("cuda", 1), F16), ("cuda:1", F16), ("xpu", BF16)],
+    [(torch.device("cpu"), BF16), ("cpu:0", BF16), (torch.device("cuda", 1), F16), ("cuda:1", F16), ("xpu:0", F16)],
     ids=str,
 )
 def test_half_takes_devices_as_well_as_types(device: str | torch.device, expected: torch.dtype) -> None:
