@@ -261,6 +261,12 @@ def test_in_place_out_and_explicit_dtype_are_not_cast(dtype: torch.dtype) -> Non
     half = a.to(dtype)
     assert autocast(lambda: torch.softmax(half, -1, dtype=dtype), dtype)().dtype == dtype
     assert autocast(lambda: half.sum(dtype=torch.float64), dtype)().dtype == torch.float64
+    # The inputs of an op given a dtype, by keyword or positionally, are not rounded first either.
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 10
+    summed = autocast(lambda: torch.sum(x, dtype=torch.float32), dtype, overrides={"sum": dtype})()
+    assert torch.equal(summed, torch.sum(x, dtype=torch.float32))
+    soft = autocast(lambda: torch.softmax(x, 0, torch.float32), dtype, overrides={"softmax": dtype})()
+    assert torch.equal(soft, torch.softmax(x, 0, torch.float32))
     # Low-precision outputs stay low: an unlisted op downstream runs in its inputs' dtype.
     assert autocast(lambda: torch.relu(a @ a) + 1, dtype)().dtype == dtype
     # inplace=True writes into the caller's tensor, even where an override casts the op.
