@@ -8,7 +8,7 @@ import operator
 from typing import Any
 from typing import cast
 
-__all__ = ["check_bool", "check_int", "check_real"]
+__all__ = ["check_bool", "check_callable", "check_int", "check_real"]
 
 
 def check_real(
@@ -52,3 +52,9 @@ def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return value
+
+
+def check_callable(name: str, value: Any) -> None:
+    """Raises a TypeError naming `name` unless `value` can be called (here, not when it is first called)."""
+    if not callable(value):
+        raise TypeError(f"{name} must be a function, got {type(value).__name__}")

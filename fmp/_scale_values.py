@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FLOAT32_MAX", "FLOAT32_TINY", "checked_scale", "float32_inward", "scale_tensor"]
+__all__ = ["FLOAT32_MAX", "FLOAT32_TINY", "checked_device", "checked_scale", "float32_inward", "scale_tensor"]
 
 FLOAT32_TINY = torch.finfo(torch.float32).tiny
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -42,9 +42,24 @@ def checked_scale(value: Any, name: str) -> tuple[float, torch.device | None]:
     return number, device
 
 
+def checked_device(device: Any) -> torch.device | None:
+    """`device` as a torch.device that can hold tensors here (None stays None), or an error naming it."""
+    if device is None:
+        return None
+    if not isinstance(device, str | torch.device):
+        raise TypeError(f"device must be a str or torch.device (e.g. 'cuda'), got {type(device).__name__}")
+    try:
+        parsed = torch.device(device)
+        torch.empty(0, device=parsed)  # torch says why not (no such device, a build without CUDA)
+    except (RuntimeError, AssertionError) as error:
+        raise ValueError(f"device {str(device)!r} cannot hold tensors here: {error}") from None
+    return parsed
+
+
 def scale_tensor(value: Any, name: str, device: torch.device | str | None) -> torch.Tensor:
     """A validated scale as a float32 tensor on `device` (by default a tensor's own device, else CPU)."""
     number, own_device = checked_scale(value, name)
+    device = checked_device(device)
     return torch.tensor(number, dtype=torch.float32, device=own_device if device is None else device)
 
 

@@ -103,7 +103,7 @@ class GradientAccumulator:
         )
 
     def _check_like_sums(self, grads: Any) -> None:
-        """Raises a ValueError naming the first key or shape where `grads` differs from the sums."""
+        """Raises a ValueError naming the first key, shape or device where `grads` differs from the sums."""
         sum_leaves, spec = pytree.tree_flatten(self.grads)
         try:
             grad_leaves = spec.flatten_up_to(grads)
@@ -120,6 +120,12 @@ class GradientAccumulator:
                     f"GradientAccumulator.add: grads{pytree.keystr(path)} is {found}, but its sum has shape "
                     f"{tuple(total.shape)}: was the accumulator made for other params?"
                 )
+            if grad.device != total.device:
+                path = pytree.tree_flatten_with_path(self.grads)[0][index][0]
+                raise ValueError(
+                    f"GradientAccumulator.add: grads{pytree.keystr(path)} is on {grad.device}, but its sum is on "
+                    f"{total.device}: move the accumulator with the params"
+                )
 
     def add(self, grads: Any, grads_finite: torch.Tensor, finite_per_loss: Any) -> AccumulatedGradients:
         """Adds one micro-batch's unscaled gradients; branch-free.
@@ -135,7 +141,7 @@ class GradientAccumulator:
         Raises:
             TypeError, ValueError: If a flag is not a 0-dim bool tensor, `finite_per_loss` has
                 another number of flags than the accumulator was made for, or a gradient's
-                key or shape differs from its sum's.
+                key, shape or device differs from its sum's.
         """
         check_finite_flag(grads_finite)
         ours, theirs = pytree.tree_structure(self.finite_per_loss), pytree.tree_structure(finite_per_loss)

@@ -32,6 +32,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from fmp._checks import check_callable
 from fmp.autocast_overrides import Override
 from fmp.autocast_overrides import Target
 from fmp.autocast_overrides import resolve_rules
@@ -316,6 +317,7 @@ def autocast(
             compute.
         RuntimeError: From the returned function, for `binary_cross_entropy` under float16.
     """
+    check_callable("autocast's fn", fn)
     table = resolve_rules(rules, dtype, overrides)
 
     @functools.wraps(fn)

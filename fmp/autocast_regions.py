@@ -33,6 +33,7 @@ from typing import TypeVar
 import torch
 import torch.utils._pytree as pytree
 
+from fmp._checks import check_callable
 from fmp.autocast import AutocastMode
 
 __all__ = ["fixed_dtype", "no_autocast"]
@@ -91,7 +92,11 @@ def no_autocast(fn: Callable[P, R]) -> Callable[P, R]:
 
     Returns:
         A function with `fn`'s signature.
+
+    Raises:
+        TypeError: When `fn` is not callable.
     """
+    check_callable("no_autocast's fn", fn)
 
     @functools.wraps(fn)
     def no_autocast_fn(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -119,8 +124,10 @@ def fixed_dtype(fn: Callable[P, R], dtype: torch.dtype) -> Callable[P, R]:
         A function with `fn`'s signature.
 
     Raises:
-        TypeError: When `dtype` is not a floating-point torch.dtype (raised here, not on the call).
+        TypeError: When `fn` is not callable or `dtype` is not a floating-point torch.dtype (raised
+            here, not on the call).
     """
+    check_callable("fixed_dtype's fn", fn)
     check_floating_dtype(dtype, "fixed_dtype's dtype")
 
     @functools.wraps(fn)

@@ -250,12 +250,7 @@ def locate_nonfinite(
             "lambda params, *args: loss_fn(params, *args)[i] and scaler=state.scaler[i]"
         )
     scaler = NoOpLossScale() if scaler is None else scaler
-    check_scaler(scaler)
-    if scaler.loss_scale.dim():
-        raise ValueError(
-            f"scaler holds {scaler.loss_scale.numel()} scales (a vmapped ensemble's): locate one member's "
-            f"overflow at a time, with its params, batch and scaler taken out by fmp.unstack_tree"
-        )
+    check_scaler(scaler)  # a stacked ensemble's is refused: locate one member's overflow at a time
     check_bool("has_aux", has_aux)
     check_params(params, policy)
     tracked = pytree.tree_map(lambda x: x.detach().requires_grad_(), params)

@@ -23,7 +23,6 @@ from typing import TypeVar
 from typing import cast
 
 import torch
-import torch.utils._pytree as pytree
 
 from fmp._checks import check_bool
 from fmp._checks import check_real
@@ -35,7 +34,7 @@ from fmp.loss_scale import check_scaler
 from fmp.loss_scale import unscale_in_place
 from fmp.optim.clip import clip_tree_by_global_norm
 from fmp.tree import all_finite
-from fmp.tree import check_no_opaque_leaves
+from fmp.tree import check_gradient_leaves
 from fmp.tree import check_on_device
 from fmp.tree import tree_accelerator_device
 from fmp.tree import tree_device
@@ -55,7 +54,7 @@ def _check_arguments(scaler: Any, scaled_grads: Any, donate: Any) -> torch.devic
     """Checks the arguments and returns the device the work runs on (the flags' device)."""
     check_scaler(scaler)
     check_bool("donate", donate)
-    check_no_opaque_leaves(pytree.tree_leaves(scaled_grads), scaled_grads, "scaled_grads")
+    check_gradient_leaves(scaled_grads, "scaled_grads")
     grads_device = tree_accelerator_device(scaled_grads)
     hint = f"create it there (DynamicLossScale.create(device={str(grads_device)!r}))"
     check_on_device(scaler, grads_device, "scaler", "gradients", hint)

@@ -19,6 +19,7 @@ import torch.utils._pytree as pytree
 
 from fmp._backward import grad_and_aux
 from fmp._checks import check_bool
+from fmp._checks import check_callable
 from fmp._struct import serializable_namedtuple
 from fmp.autocast import autocast
 from fmp.loss_scale import LossScale
@@ -103,6 +104,12 @@ def check_param_leaves(params: Any) -> None:
                 f"(a memory leak); pass {{k: v.detach() for k, v in model.named_parameters()}}"
             )
         if leaf.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(leaf):
+            if leaf.grad_fn is not None:
+                raise TypeError(
+                    f"{where} requires grad, as a step's output does while plain autograd records: autograd would "
+                    f"chain every step's graph onto the last (a memory leak); pass it .detach()ed, or take a "
+                    f"meta-gradient through several steps with torch.func.grad"
+                )
             raise TypeError(
                 f"{where} requires grad (torch.func.stack_module_state returns such tensors): autograd would "
                 f"chain every step's graph onto the last (a memory leak); pass it .detach()ed"
@@ -247,6 +254,7 @@ def with_policy(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
     Returns:
         The wrapped function.
     """
+    check_callable("with_policy's fn", fn)
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be an fmp.Policy (e.g. fmp.get_policy('c=bf16')), got {type(policy).__name__}")
     forward = _forward(fn, policy)
@@ -312,6 +320,7 @@ def mixed_precision_grad(
             reads a module's own parameters outside `params` (a module called as `model(x)`, or
             frozen weights that still require grad), which the step would not update.
     """
+    check_callable("loss_fn", loss_fn)
     check_scalers(scaler)
     check_bool("has_aux", has_aux)
     if not isinstance(policy, Policy):

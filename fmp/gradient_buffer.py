@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Iterable
+from collections.abc import Mapping
 from typing import Any
 from typing import TypeVar
 
@@ -186,7 +187,10 @@ class GradientBuffer:
 
     @classmethod
     def attach(
-        cls, params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *, compiled: bool = True
+        cls,
+        params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        *,
+        compiled: bool = True,
     ) -> GradientBuffer:
         """Allocates the buffers and makes each parameter's `.grad` a view into them.
 
@@ -196,8 +200,8 @@ class GradientBuffer:
 
         Args:
             params: Leaf tensors on one device that require grad, each listed once (e.g.
-                `model.parameters()`), or `(name, tensor)` pairs (`model.named_parameters()`),
-                whose names the errors then give.
+                `model.parameters()`), or `(name, tensor)` pairs (`model.named_parameters()`, or a
+                dict of them), whose names the errors then give.
             compiled: Whether `unscale_` and `unscale_and_clip_` run `torch.compile`d (a C++
                 compiler on CPU, seconds of compiling on first use, one pass per buffer) or
                 eagerly (`unscale_and_adjust`: no compiler, several passes); the results are
@@ -214,7 +218,8 @@ class GradientBuffer:
         """
         check_bool("compiled", compiled)
         first_index: dict[int, int] = {}
-        named = [_named(entry) for entry in params]
+        # A dict by name (dict(model.named_parameters())) iterates over its keys: take its items.
+        named = [_named(entry) for entry in (params.items() if isinstance(params, Mapping) else params)]
         checked = [_check_param(i, p, name, first_index) for i, (name, p) in enumerate(named)]
         names = tuple(name for name, _ in named)
         if not checked:

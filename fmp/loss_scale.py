@@ -20,6 +20,7 @@ from fmp._checks import check_real
 from fmp._donation import writable
 from fmp._scale_values import FLOAT32_MAX
 from fmp._scale_values import FLOAT32_TINY
+from fmp._scale_values import checked_device
 from fmp._scale_values import checked_scale
 from fmp._scale_values import float32_inward
 from fmp._scale_values import scale_tensor
@@ -235,7 +236,7 @@ class DynamicLossScale(_TensorScale):
         # init_scale must lie within the bounds up to its own rounding to float32, then is clamped in.
         if not float32_inward(low, up=False) <= scale <= float32_inward(high, up=True):
             raise ValueError(f"init_scale ({scale}) must lie in [min_scale, max_scale] = [{low}, {high}]")
-        device = own_device if device is None else device
+        device = own_device if device is None else checked_device(device)
         zero = torch.zeros((), dtype=torch.int32, device=device)
         return cls(
             loss_scale=torch.tensor(min(max(scale, min_scale), max_scale), dtype=torch.float32, device=device),
@@ -388,15 +389,21 @@ LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 
 
 def check_scaler(scaler: Any) -> None:
-    """Raises a TypeError naming the type unless `scaler` is one of fmp's loss-scale states."""
+    """Raises a TypeError naming the type unless `scaler` is one of fmp's loss-scale states of 0-dim tensors."""
     if not isinstance(scaler, LossScale):
         raise TypeError(
             f"scaler must be an fmp loss-scale state (e.g. DynamicLossScale.create()), got {type(scaler).__name__}"
         )
-    for leaf in pytree.tree_leaves(scaler):
+    name = type(scaler).__name__
+    for path, leaf in pytree.tree_flatten_with_path(scaler)[0]:
         if not isinstance(leaf, torch.Tensor):
-            name = type(scaler).__name__
             raise TypeError(
                 f"{name} holds a {type(leaf).__name__} where a tensor belongs; build it with {name}.create(...), "
                 f"which checks and converts its arguments (the constructor takes tensors as they are)"
+            )
+        if leaf.dim() != 0:  # 0-dim per member under vmap; a stacked state outside it would broadcast
+            raise ValueError(
+                f"{name}{pytree.keystr(path)} has shape {tuple(leaf.shape)}, but a loss-scale state holds 0-dim "
+                f"tensors: run a stacked state (fmp.stack_trees) under torch.func.vmap, or take one member "
+                f"with fmp.unstack_tree"
             )

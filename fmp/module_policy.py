@@ -39,6 +39,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.utils.stateless import _reparametrize_module
 
+from fmp._checks import check_callable
 from fmp.autocast import AutocastMode
 from fmp.policy import Policy
 from fmp.tree import cast_floating
@@ -254,6 +255,7 @@ def module_policies(fn: Callable[P, R], model: nn.Module, policies: Mapping[Any,
             that is neither an nn.Module subclass nor a string.
         ValueError: For a name pattern or a module class that matches no module.
     """
+    check_callable("module_policies' fn", fn)
     _check_policies(model, policies)
     matches = _plan(model, policies)
     warned: set[str] = set()  # the matches already warned about, so each is named once

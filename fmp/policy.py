@@ -63,7 +63,7 @@ def _device_type(device: str | torch.device) -> str:
 
 
 def half_dtype(device_type: str | torch.device | None = None) -> torch.dtype:
-    """Returns the platform's 16-bit float, torch.autocast's default: bfloat16 on CPU (and XLA, HPU, MAIA), else float16.
+    """Returns torch.autocast's default 16-bit float: bfloat16 on CPU (and XLA, HPU, MAIA), else float16.
 
     Args:
         device_type: A device type such as "cuda" or "cpu", or a device ("cuda:1", `x.device`);

@@ -15,6 +15,7 @@ from fmp.grad import ScalerTree
 from fmp.grad import check_param_leaves
 from fmp.grad import check_scalers
 from fmp.optim._base import Optimizer
+from fmp.tree import check_on_device
 from fmp.tree import tree_accelerator_device
 
 __all__ = ["StepCounts", "TrainState", "check_optimizer"]
@@ -46,6 +47,20 @@ class StepCounts(NamedTuple):
         """All counts at zero, on `device` (CPU by default)."""
         zero = torch.zeros((), dtype=torch.int64, device=device)
         return cls(zero, zero.clone(), zero.clone(), zero.clone())
+
+    def check(self, device: torch.device | None) -> None:
+        """Raises naming the field unless each count is a 0-dim int64 tensor on `device` (None: any).
+
+        Raises:
+            TypeError: If a count is not a 0-dim int64 tensor.
+            ValueError: If a count is on another device.
+        """
+        for field, count in zip(self._fields, self, strict=True):
+            if not (isinstance(count, torch.Tensor) and count.dtype == torch.int64 and count.dim() == 0):
+                found = f"{count.dtype}{list(count.shape)}" if isinstance(count, torch.Tensor) else type(count).__name__
+                raise TypeError(f"state.counts.{field} must be a 0-dim int64 tensor, got {found}")
+        hint = "build the state with TrainState.create, which puts it there"
+        check_on_device(self, device, "state.counts", "params", hint)
 
     def advance(self, stepped: torch.Tensor, applied: torch.Tensor, stalled: torch.Tensor) -> StepCounts:
         """The counts after one call of the step; branch-free.

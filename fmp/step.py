@@ -39,7 +39,6 @@ from fmp.state import StepCounts
 from fmp.state import TrainState
 from fmp.state import check_optimizer
 from fmp.tree import check_finite_flag
-from fmp.tree import check_on_device
 from fmp.tree import select_tree
 from fmp.tree import tree_accelerator_device
 
@@ -197,8 +196,8 @@ def train_step(
         `(new_state, info)`; `info.applied` says whether the update was applied.
 
     Raises:
-        TypeError: If `state` is not a TrainState, `optimizer` not an Optimizer, or `donate` or
-            `grad_norm` not a bool.
+        TypeError: If `state` is not a TrainState (or its counts not StepCounts of 0-dim int64
+            tensors), `optimizer` not an Optimizer, or `donate` or `grad_norm` not a bool.
         ValueError: If `donate` and the state lists one tensor twice (under torch.compile Dynamo
             reports it as `torch._dynamo.exc.Unsupported` carrying this message), or the scaler
             or the counts are on another device than the params (their first accelerator).
@@ -210,8 +209,10 @@ def train_step(
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be an fmp.TrainState (TrainState.create(...)), got {type(state).__name__}")
     check_optimizer(optimizer)
-    hint = "build the state with TrainState.create, which puts it there"
-    check_on_device(state.counts, tree_accelerator_device(state.params), "state.counts", "params", hint)
+    if not isinstance(state.counts, StepCounts):
+        got = type(state.counts).__name__
+        raise TypeError(f"state.counts must be an fmp.StepCounts (TrainState.create makes one), got {got}")
+    state.counts.check(tree_accelerator_device(state.params))
     if donate:
         check_distinct(state, "state")  # before anything is written
     params, opt_state, scaler = state.params, state.opt_state, state.scaler

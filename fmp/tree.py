@@ -19,6 +19,7 @@ __all__ = [
     "all_finite",
     "cast_floating",
     "check_finite_flag",
+    "check_gradient_leaves",
     "check_no_opaque_leaves",
     "check_on_device",
     "functorch_base",
@@ -88,6 +89,21 @@ def check_no_opaque_leaves(leaves: list[Any], tree: Any, name: str, *, allow_mod
 def tree_device(tree: Any) -> torch.device | None:
     """The device of the first tensor leaf of `tree`, or None when it holds no tensor."""
     return next((x.device for x in pytree.tree_iter(tree) if isinstance(x, torch.Tensor)), None)
+
+
+def check_gradient_leaves(grads: Any, name: str) -> None:
+    """Raises a TypeError naming the first leaf of `grads` that is neither a tensor nor None (a frozen param's).
+
+    A number or a numpy array among gradients would be left unscaled and unchecked, an inf in
+    it read as finite. Opaque containers (a generator) are refused as `check_no_opaque_leaves` says.
+    """
+    leaves = pytree.tree_leaves(grads)
+    check_no_opaque_leaves(leaves, grads, name)
+    if all(isinstance(leaf, torch.Tensor) or leaf is None for leaf in leaves):
+        return
+    for path, leaf in pytree.tree_flatten_with_path(grads)[0]:
+        if not (isinstance(leaf, torch.Tensor) or leaf is None):
+            raise TypeError(f"{name}{pytree.keystr(path)} is a {type(leaf).__name__}; gradients must be tensors")
 
 
 def check_on_device(tree: Any, device: torch.device | None, name: str, owner: str, hint: str) -> None:

@@ -38,7 +38,7 @@ POLICIES = [
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bit pattern of a tensor, so -0.0 != 0.0 and NaN payloads compare."""
     int_dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]
-    return t.contiguous().view(int_dtype)
+    return t.resolve_conj().resolve_neg().contiguous().view(int_dtype)
 
 
 def assert_trees_bitwise_equal(a: Any, b: Any) -> None:

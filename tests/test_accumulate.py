@@ -175,6 +175,24 @@ def test_accumulation_steps_out_of_range_is_named(steps: int) -> None:
         accumulating_state(steps)
 
 
+def test_an_accumulator_on_another_device_is_named() -> None:
+    state = accumulating_state(2)
+    on_meta = fmp.TrainState.create(
+        torch.utils._pytree.tree_map(lambda t: t.to("meta"), state.params),
+        SGD,
+        fmp.DynamicLossScale.create(),
+        accumulation_steps=2,
+    )
+    with pytest.raises(ValueError, match=r"grads\['\w+'\] is on cpu, but its sum is on meta: move the accumulator"):
+        fmp.train_step(
+            mlp_loss,
+            state._replace(accumulator=on_meta.accumulator),
+            *next(mlp_batches(1, 0)),
+            policy=F32,
+            optimizer=SGD,
+        )
+
+
 def test_accumulation_steps_must_be_an_int() -> None:
     with pytest.raises(TypeError, match="accumulation_steps must be an int, got float"):
         accumulating_state(2.0)  # type: ignore[arg-type]

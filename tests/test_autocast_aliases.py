@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
 from conftest import bits
+from test_autocast import _assert_same_outcome
 from test_autocast import _dtypes
 from test_autocast import _generic_samples
 from test_autocast import _outcome
@@ -149,17 +149,6 @@ def _under_fmp(op: Callable[..., Any], args: Any, kwargs: Any, dtype: torch.dtyp
             return autocast(op, dtype, rules=rules)(*args, **kwargs)
         except Exception as error:
             return type(error)
-
-
-def _assert_same_outcome(got: Any, expected: Any) -> None:
-    """Equal exception types, or outputs equal in structure, dtype and every bit."""
-    if isinstance(expected, type) or isinstance(got, type):
-        assert got == expected
-        return
-    assert _dtypes(got) == _dtypes(expected)
-    for x, y in zip(pytree.tree_leaves(got), pytree.tree_leaves(expected), strict=True):
-        if isinstance(x, torch.Tensor):
-            assert torch.equal(bits(x), bits(y)), (x, y)
 
 
 @pytest.mark.parametrize("dtype", LOW)

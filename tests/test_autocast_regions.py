@@ -94,3 +94,14 @@ def test_torch_autocast_regions_in_model_code_take_over_inside_fmp_autocast(comp
     inner, outer = opt_in(x, w)
     assert inner.dtype == torch.bfloat16 and outer.dtype == torch.float16
     assert torch.equal(outer, x.half() @ w.half())
+
+
+def test_a_wrapped_function_that_cannot_be_called_is_named_when_wrapped() -> None:
+    with pytest.raises(TypeError, match="autocast's fn must be a function, got int"):
+        fmp.autocast(3, torch.bfloat16)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="no_autocast's fn must be a function, got str"):
+        fmp.no_autocast("relu")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="fixed_dtype's fn must be a function, got NoneType"):
+        fmp.fixed_dtype(None, torch.float32)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="module_policies' fn must be a function, got int"):
+        fmp.module_policies(3, torch.nn.Linear(2, 2), {})  # type: ignore[arg-type]

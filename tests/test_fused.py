@@ -163,6 +163,13 @@ def test_wrong_scalers_are_named() -> None:
         fmp.unscale_and_adjust(2.0**16, [torch.ones(3)])  # type: ignore[type-var]
     with pytest.raises(TypeError, match="scaler must be an fmp loss-scale state"):
         fmp.fused_unscale_and_adjust(None, [torch.ones(3)])  # type: ignore[type-var]
+    numpy = pytest.importorskip("numpy")
+    with pytest.raises(TypeError, match=r"scaled_grads\['w'\] is a ndarray; gradients must be tensors"):
+        fmp.unscale_and_adjust(fmp.DynamicLossScale.create(), {"v": None, "w": numpy.array([numpy.inf])})
+    with pytest.raises(TypeError, match=r"scaled_grads\[1\] is a float; gradients must be tensors"):
+        fmp.fused_unscale_and_adjust(fmp.DynamicLossScale.create(), [torch.ones(2), float("inf")])
+    grads, finite, _ = fmp.unscale_and_adjust(fmp.StaticLossScale.create(2.0), {"v": None, "w": torch.ones(2)})
+    assert grads["v"] is None and bool(finite)  # a frozen param's None passes
     on_meta = pytree.tree_map(lambda t: t.to("meta"), fmp.DynamicLossScale.create())
     with pytest.raises(ValueError, match=r"scaler\.loss_scale is on meta but the gradients are on cpu"):
         fmp.unscale_and_adjust(on_meta, [torch.ones(3)])

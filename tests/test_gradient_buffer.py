@@ -430,6 +430,9 @@ def test_named_parameters_attach_alike_and_their_names_are_given() -> None:
         RuntimeError, match=r"params\[0\] \('0\.weight', shape \(16, 6\), torch.float32\) has .grad None"
     ):
         buffer.flat()
+    by_name = make_model()
+    fmp.GradientBuffer.attach(dict(by_name.named_parameters()), compiled=False)  # a dict gives its items
+    assert by_name[0].weight.grad is not None and by_name[0].weight.grad._base is not None
     frozen = make_model()
     frozen[0].weight.requires_grad_(False)
     with pytest.raises(ValueError, match=r"params\[0\] \('0\.weight', shape .* does not require grad"):

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import fmp
 from fmp import DynamicLossScale
+from fmp._scale_values import float32_inward
 from fmp._struct import pytree_dataclass
 from fmp._struct import replace
 
@@ -276,6 +277,65 @@ def test_static_and_noop_states() -> None:
     assert noop.adjust(torch.tensor(True)) is noop and float(noop.loss_scale) == 1.0
 
 
+normal_float32s = (
+    st.floats(TINY, torch.finfo(torch.float32).max)
+    .map(lambda v: float(torch.tensor(v, dtype=torch.float32)))
+    .filter(lambda v: TINY <= v < INF)
+)
+
+
+@given(
+    normal_float32s,
+    st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    st.integers(-40, 40),
+    st.booleans(),
+)
+def test_property_unscale_is_grad_scalers_kernel_bit_for_bit(
+    scale: float, dtype: torch.dtype, exponent: int, in_place: bool
+) -> None:
+    # Against torch._amp_foreach_non_finite_check_and_unscale_, given 1/scale as GradScaler.unscale_
+    # forms it (in double, rounded once to float32); overflows to inf and underflows alike.
+    grads = (torch.randn(33, generator=torch.Generator().manual_seed(exponent)) * 2.0**exponent).to(dtype)
+    expected = grads.clone()
+    inverse = torch.tensor(scale, dtype=torch.float64).reciprocal().float()
+    torch._amp_foreach_non_finite_check_and_unscale_([expected], torch.zeros(1), inverse)
+    scaler = fmp.StaticLossScale.create(scale)
+    ours = fmp.unscale_and_adjust(scaler, [grads.clone()], donate=True)[0][0] if in_place else scaler.unscale(grads)
+    assert ours.dtype == dtype and torch.equal(bits(ours), bits(expected))
+
+
+@given(st.floats(1e-300, 1e300), st.booleans())
+def test_property_float32_inward_is_the_nearest_float32_on_the_inner_side(bound: float, up: bool) -> None:
+    rounded = float32_inward(bound, up=up)
+    assert rounded == float(torch.tensor(rounded, dtype=torch.float32))  # a float32
+    assert rounded >= bound if up else rounded <= bound
+    # The next float32 towards the bound lies beyond it: none is closer on the inner side.
+    toward = torch.nextafter(torch.tensor(rounded, dtype=torch.float32), torch.tensor(-INF if up else INF))
+    assert float(toward) < bound if up else float(toward) > bound
+
+
+@given(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(2**200), 2**200)))
+def test_property_a_scale_is_accepted_exactly_when_its_float32_is_normal(value: float) -> None:
+    try:
+        as_float32 = float(torch.tensor(float(value), dtype=torch.float32))
+    except OverflowError:  # an int beyond every float
+        as_float32 = INF
+    if TINY <= as_float32 <= torch.finfo(torch.float32).max:
+        assert float(fmp.StaticLossScale.create(value).loss_scale) == as_float32
+    else:
+        with pytest.raises(ValueError, match="must be a positive, normal float32"):
+            fmp.StaticLossScale.create(value)
+
+
+@given(st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]), st.integers(0, 2), init_scales)
+def test_property_scale_promotes_as_grad_scaler_scale(dtype: torch.dtype, ndim: int, scale: float) -> None:
+    loss = torch.full((2,) * ndim, 3.0, dtype=dtype)
+    reference = torch.amp.GradScaler("cpu", init_scale=scale)
+    expected = reference.scale(loss)
+    ours = fmp.DynamicLossScale.create(init_scale=scale).scale(loss)
+    assert ours.dtype == expected.dtype and torch.equal(bits(ours), bits(expected))
+
+
 def test_unscale_rounds_like_grad_scaler_for_any_scale() -> None:
     # 1/scale is formed in double and rounded once to float32, as GradScaler's unscale_ does.
     for scale in (3.0, 1000.3, 2.0**20 * 1.7, 0.37):
@@ -340,6 +400,26 @@ def test_states_are_immutable() -> None:
 def test_create_rejects_bad_arguments(kwargs: dict[str, object], error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         fmp.DynamicLossScale.create(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("device", "error", "message"),
+    [
+        ("gpu", ValueError, r"device 'gpu' cannot hold tensors here: Expected one of cpu"),
+        (0.5, TypeError, r"device must be a str or torch.device \(e.g. 'cuda'\), got float"),
+        pytest.param(
+            "cuda",
+            ValueError,
+            "device 'cuda' cannot hold tensors here: Torch not compiled with CUDA",
+            marks=pytest.mark.skipif(torch.backends.cuda.is_built(), reason="a CUDA build holds tensors there"),
+        ),
+    ],
+)
+def test_a_device_that_cannot_hold_the_state_is_named(device: object, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        fmp.DynamicLossScale.create(device=device)  # type: ignore[arg-type]
+    with pytest.raises(error, match=message):
+        fmp.StaticLossScale.create(2.0, device=device)  # type: ignore[arg-type]
 
 
 def test_create_accepts_a_tensor_scale_and_a_device() -> None:

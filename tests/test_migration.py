@@ -82,6 +82,30 @@ def test_fmp_state_dicts_round_trip_through_torch_save_with_every_field() -> Non
     assert int(restored.overflow_streak) == 2 and restored.hysteresis == 3
 
 
+@given(
+    st.integers(0, 4),
+    st.integers(2, 6),
+    st.integers(1, 4),
+    st.floats(2.0**-10, 1.0),
+    st.lists(st.booleans(), max_size=12),
+)
+def test_property_fmp_state_dicts_round_trip_every_field_mid_interval(
+    exponent: int, growth_interval: int, hysteresis: int, min_scale: float, finite: list[bool]
+) -> None:
+    state = fmp.DynamicLossScale.create(
+        init_scale=2.0**exponent,
+        growth_interval=growth_interval,
+        min_scale=min_scale,
+        max_scale=2.0**6,
+        hysteresis=hysteresis,
+    )
+    for flag in finite:  # the tracker and the overflow streak anywhere in their ranges
+        state = state.adjust(torch.tensor(flag))
+    restored = fmp.DynamicLossScale.from_state_dict(state.state_dict())
+    assert_trees_bitwise_equal(restored, state)  # the treespec holds min_scale, max_scale, hysteresis
+    assert restored.adjust(torch.tensor(False)).state_dict() == state.adjust(torch.tensor(False)).state_dict()
+
+
 def test_a_stacked_state_dict_names_unstack_tree() -> None:
     stacked = fmp.stack_trees([fmp.DynamicLossScale.create(init_scale=2.0**k) for k in range(3)])
     with pytest.raises(ValueError, match=r"stacked \(loss_scale shape \(3,\)\).*fmp.unstack_tree"):

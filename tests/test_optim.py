@@ -239,6 +239,17 @@ def test_grads_or_state_of_another_dtype_are_named(optimizer: fmp.optim.Optimize
 
 
 @each_state_kind
+def test_grads_or_state_on_another_device_are_named(optimizer: fmp.optim.Optimizer) -> None:
+    # A state loaded with map_location="cpu" whose params alone moved (meta stands for the GPU).
+    params = {"w": torch.ones(3, device="meta")}
+    with pytest.raises(ValueError, match=r"grads\['w'\] is on cpu, but params\['w'\] is on meta; move it"):
+        optimizer.update({"w": torch.ones(3)}, optimizer.init(params), params)
+    if torch.utils._pytree.tree_leaves(optimizer.init(params))[1:]:
+        with pytest.raises(ValueError, match=r"opt_state\.\w+\['w'\] is on cpu, but params\['w'\] is on meta"):
+            optimizer.update(params, optimizer.init({"w": torch.ones(3)}), params)
+
+
+@each_state_kind
 def test_state_and_grads_with_keys_in_another_order_are_taken_key_by_key(optimizer: fmp.optim.Optimizer) -> None:
     params = {"w": torch.linspace(0, 1, 3), "b": torch.linspace(-1, 0, 2)}
     reordered = {"b": params["b"], "w": params["w"]}

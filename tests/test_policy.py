@@ -174,16 +174,18 @@ def test_with_methods_replace_one_dtype() -> None:
 
 leaves = st.one_of(
     st.sampled_from(FLOAT_DTYPES).map(lambda d: torch.randn(3).to(d)),
+    st.sampled_from([torch.complex64, torch.complex128]).map(lambda d: torch.randn(2, dtype=d)),
     st.sampled_from([torch.int32, torch.int64, torch.bool, torch.uint8]).map(lambda d: torch.ones(2, dtype=d)),
     st.sampled_from([None, 3, 2.5, "name"]),
 )
 trees = st.recursive(leaves, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=3), kids))
 
 
-@given(trees, st.sampled_from(FLOAT_DTYPES), st.sampled_from(["param", "compute", "output"]))
-def test_casts_touch_floating_tensors_only(tree: object, dtype: torch.dtype, which: str) -> None:
-    policy = fmp.Policy(dtype, dtype, dtype)
-    cast = getattr(policy, f"cast_to_{which}")(tree)
+@given(trees, st.lists(st.sampled_from(FLOAT_DTYPES), min_size=3, max_size=3), st.sampled_from([0, 1, 2]))
+def test_casts_touch_floating_tensors_only(tree: object, dtypes: list[torch.dtype], which: int) -> None:
+    # Three dtypes drawn apart, so each cast must take its own field; complex leaves pass uncast.
+    policy, dtype = fmp.Policy(*dtypes), dtypes[which]
+    cast = (policy.cast_to_param, policy.cast_to_compute, policy.cast_to_output)[which](tree)
     in_leaves, in_spec = torch.utils._pytree.tree_flatten(tree)
     out_leaves, out_spec = torch.utils._pytree.tree_flatten(cast)
     assert in_spec == out_spec
@@ -196,3 +198,26 @@ def test_casts_touch_floating_tensors_only(tree: object, dtype: torch.dtype, whi
                 torch.testing.assert_close(after, before.to(dtype))
         else:
             assert after is before
+
+
+@given(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            key: st.sampled_from(["float32", "bfloat16", "float16", "float64"])
+            for key in ("params", "compute", "output", "reduce")
+        },
+    )
+)
+def test_missing_keys_follow_jmp_for_any_subset(given_keys: dict[str, str]) -> None:
+    # params default to float32, compute follows params, output follows compute, reduce is None
+    # (the gradients' own dtype) unless given.
+    spec = ",".join(f"{key}={name}" for key, name in given_keys.items()) or "full"
+    policy = fmp.get_policy(spec)
+    dtype_of = {key: getattr(torch, name) for key, name in given_keys.items()}
+    params = dtype_of.get("params", F32)
+    compute = dtype_of.get("compute", params)
+    assert (policy.param_dtype, policy.compute_dtype) == (params, compute)
+    assert policy.output_dtype == dtype_of.get("output", compute)
+    assert policy.reduce_dtype == dtype_of.get("reduce")
+    assert fmp.get_policy(str(policy)) == policy

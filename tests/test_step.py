@@ -233,6 +233,29 @@ def test_wrong_argument_types_are_named() -> None:
         fmp.mixed_precision_grad(mlp_loss, state.params, torch.amp.GradScaler("cpu"), x, y, policy=policy)
     with pytest.raises(TypeError, match=r"policy must be an fmp\.Policy"):
         fmp.mixed_precision_grad(mlp_loss, state.params, scaler, x, y, policy="c=bf16")
+    with pytest.raises(TypeError, match="loss_fn must be a function, got int"):
+        fmp.train_step(3, state, x, y, policy=policy, optimizer=optimizer)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="with_policy's fn must be a function, got int"):
+        fmp.with_policy(3, policy)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"state.counts must be an fmp\.StepCounts \(TrainState.create makes one\)"):
+        fmp.train_step(mlp_loss, state._replace(counts=(0, 0, 0, 0)), x, y, policy=policy, optimizer=optimizer)
+    floats = fmp.StepCounts(*(torch.zeros(()) for _ in range(4)))
+    with pytest.raises(TypeError, match=r"state.counts.applied must be a 0-dim int64 tensor, got torch.float32\[\]"):
+        fmp.train_step(mlp_loss, state._replace(counts=floats), x, y, policy=policy, optimizer=optimizer)
+
+
+def test_a_stacked_scaler_outside_vmap_is_refused_where_it_would_broadcast() -> None:
+    # Two members' scales against a weight whose last dimension is 2: the scaled loss would have
+    # two elements, the backward seeded with ones would sum them, and unscaling would broadcast.
+    stacked = fmp.stack_trees([fmp.DynamicLossScale.create(init_scale=s) for s in (2.0**10, 2.0**12)])
+    params, x = {"w": torch.ones(2, 2)}, torch.ones(2)
+    message = r"DynamicLossScale.loss_scale has shape \(2,\), but a loss-scale state holds 0-dim tensors: run a stacked"
+    with pytest.raises(ValueError, match=message):
+        fmp.mixed_precision_grad(lambda p, x: (p["w"] @ x).sum(), params, stacked, x, policy=fmp.Policy())
+    with pytest.raises(ValueError, match=message):
+        fmp.unscale_and_adjust(stacked, [torch.ones(2, 2)])
+    with pytest.raises(ValueError, match=message):
+        fmp.TrainState.create(params, fmp.optim.sgd(0.1), stacked)
 
 
 @pytest.mark.parametrize("policy_spec", ["p=bf16,c=bf16,o=f32", "p=f16,c=f16,o=f32", "p=f64,c=f32,o=f64"])
@@ -419,6 +442,9 @@ def test_a_loss_that_reads_a_modules_own_parameters_is_named() -> None:
     assert bool(info.applied) and info.loss.requires_grad
     uses_params(new_state.params, x, y).backward()
     assert x.grad is not None and bool(x.grad.abs().sum() > 0)
+    # A second step on those params would chain the graphs: refused, pointing at torch.func.grad.
+    with pytest.raises(TypeError, match=r"requires grad, as a step's output does while plain autograd records"):
+        step(uses_params, new_state, x, y)
 
 
 @pytest.mark.parametrize("derived", [False, True], ids=["parameter", "computed-from-one"])

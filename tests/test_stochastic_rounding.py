@@ -76,6 +76,15 @@ def test_one_value_over_many_keys_is_unbiased() -> None:
     assert abs(ups / 4096 - 0.25) <= 6 * math.sqrt(0.25 * 0.75 / 4096)
 
 
+@given(floats32, keys)
+def test_the_rounding_is_odd(value: float, key: int) -> None:
+    # Sign and magnitude: -x rounds to minus what x rounds to under the same key.
+    x = torch.full((8, 8), value)
+    rounded = fmp.stochastic_round(x, torch.tensor(key))
+    negated = fmp.stochastic_round(-x, torch.tensor(key))
+    assert torch.equal(bits(negated.float()), bits(-rounded.float())) or math.isnan(value)
+
+
 def test_the_rounding_is_a_pure_function_of_x_and_the_key() -> None:
     x = torch.full((4096,), 1.0 + 2.0**-8)  # halfway: every element is a coin flip
     rng_state = torch.get_rng_state()

@@ -26,6 +26,7 @@ from fmp.state import TrainState
 from fmp.step import StepInfo
 from fmp.step import train_step as local_train_step
 from fmp.tree import all_finite
+from fmp.tree import check_gradient_leaves
 from fmp.tree import tree_device
 
 __all__ = ["train_step", "unscale_and_adjust"]
@@ -117,6 +118,7 @@ def train_step(
 
 
 def _check_local(grads: Any) -> None:
+    check_gradient_leaves(grads, "scaled_grads")
     # A DTensor's own ops would run collectives behind our back (aminmax of a shard is Partial).
     for path, leaf in pytree.tree_flatten_with_path(grads)[0]:
         if type(leaf).__name__ == "DTensor":

@@ -79,7 +79,7 @@ def check_params(name: str, params: Any) -> None:
 def leaves_like_params(
     name: str, params: Any, trees: Mapping[str, Any]
 ) -> tuple[pytree.TreeSpec, list[Any], list[list[Any]], list[pytree.TreeSpec | None]]:
-    """Flattens `params` and `trees`, checking each has the params' structure, leaf shapes and dtypes.
+    """Flattens `params` and `trees`, checking each has the params' structure, leaf shapes, dtypes and devices.
 
     A static check (no host sync) that costs nothing over the flattening an update needs anyway:
     it catches an optimizer state made for another model, which torch would otherwise report deep
@@ -98,7 +98,7 @@ def leaves_like_params(
 
     Raises:
         TypeError: Naming the first param that is not a floating-point or complex tensor.
-        ValueError: Naming the tree and the first key, shape or dtype that differs.
+        ValueError: Naming the tree and the first key, shape, dtype or device that differs.
     """
     param_leaves, param_spec = pytree.tree_flatten(params)
     if not all(isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()) for x in param_leaves):
@@ -127,6 +127,12 @@ def leaves_like_params(
             if leaf.dtype != param.dtype:  # torch would promote the new params to it, or fail inside an op
                 key = pytree.keystr(pytree.tree_flatten_with_path(params)[0][index][0])
                 raise ValueError(f"{name}: {what}{key} is {leaf.dtype}, but params{key} is {param.dtype}{hint}")
+            if leaf.device != param.device:  # a state loaded with map_location="cpu", say, the params moved
+                key = pytree.keystr(pytree.tree_flatten_with_path(params)[0][index][0])
+                raise ValueError(
+                    f"{name}: {what}{key} is on {leaf.device}, but params{key} is on {param.device}; "
+                    f"move it with the params"
+                )
         all_leaves.append(leaves)
     return param_spec, param_leaves, all_leaves, own_specs
 
