@@ -43,7 +43,7 @@ __all__ = [
     "with_policy",
 ]
 
-SCALER_DEVICE_HINT = "create it there (DynamicLossScale.create(device=...)); TrainState.create moves it there"
+SCALER_DEVICE_HINT = "create it there (its create(..., device=...)), or let TrainState.create move it there"
 LossFn = Callable[..., Any]
 ScalerTree = LossScale | tuple[LossScale, ...]
 """One loss-scale state, or a tuple of them, one per loss."""
@@ -81,56 +81,79 @@ def check_scalers(scaler: Any) -> None:
                     f"scaler[{index}] must be an fmp loss-scale state (e.g. DynamicLossScale.create()), "
                     f"got {type(item).__name__}"
                 )
+            try:
+                check_scaler(item)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"scaler[{index}]: {error}") from None
         return
     check_scaler(scaler)
 
 
-def check_param_leaves(params: Any) -> None:
+def _param_leaf_problem(leaf: Any) -> str | None:
+    """Why `leaf` cannot be a parameter, or None."""
+    if not isinstance(leaf, torch.Tensor):
+        return f"is a {type(leaf).__name__}; every leaf of params must be a tensor"
+    if isinstance(leaf, torch.nn.Parameter):
+        return (
+            "is an nn.Parameter: autograd would chain every step's graph onto the last "
+            "(a memory leak); pass {k: v.detach() for k, v in model.named_parameters()}"
+        )
+    if leaf.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(leaf):
+        if leaf.grad_fn is not None:
+            return (
+                "requires grad, as a step's output does while plain autograd records: autograd would "
+                "chain every step's graph onto the last (a memory leak); pass it .detach()ed, or take a "
+                "meta-gradient through several steps with torch.func.grad"
+            )
+        return (
+            "requires grad (torch.func.stack_module_state returns such tensors): autograd would "
+            "chain every step's graph onto the last (a memory leak); pass it .detach()ed"
+        )
+    return None
+
+
+def _checked_leaves(params: Any, policy: Policy | None) -> torch.device | None:
+    """Checks every leaf of `params` (and its dtype against `policy`'s, if given); returns their device."""
+    leaves = pytree.tree_leaves(params)
+    check_no_opaque_leaves(leaves, params, "params")
+    for index, leaf in enumerate(leaves):
+        problem = _param_leaf_problem(leaf)
+        if problem is None and policy is not None:
+            if not (leaf.is_floating_point() or leaf.is_complex()):
+                problem = (
+                    f"is {leaf.dtype}; every leaf of params is differentiated, "
+                    f"so pass integer buffers (e.g. num_batches_tracked) through *args instead"
+                )
+            elif leaf.is_floating_point() and leaf.dtype != policy.param_dtype:
+                problem = (
+                    f"is {leaf.dtype} but the policy stores params in {policy.param_dtype}; "
+                    f"cast them with policy.cast_to_param(params) or choose another policy"
+                )
+        if problem is not None:
+            # Key paths only for the message: flattening with them costs several times a plain flatten.
+            path = pytree.tree_flatten_with_path(params)[0][index][0]
+            raise TypeError(f"params{pytree.keystr(path)} {problem}")
+    return tree_accelerator_device(leaves)
+
+
+def check_param_leaves(params: Any) -> torch.device | None:
     """Raises a TypeError naming the leaf unless every leaf of `params` is a tensor autograd does not track.
 
     An opaque container (a generator, a Module) or a non-tensor cannot be a parameter. An
     `nn.Parameter`, or a tensor that requires grad, would chain every step's graph onto the last,
     since the step's new params are computed from the old ones (a memory leak). Tensors wrapped by
     a `torch.func` transform (a meta-gradient through the step) are differentiated on purpose and pass.
+
+    Returns:
+        The params' device (their first accelerator, where the step's finite flag lives), or None
+        for params without tensors.
     """
-    check_no_opaque_leaves(pytree.tree_leaves(params), params, "params")
-    for path, leaf in pytree.tree_flatten_with_path(params)[0]:
-        where = f"params{pytree.keystr(path)}"
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(f"{where} is a {type(leaf).__name__}; every leaf of params must be a tensor")
-        if isinstance(leaf, torch.nn.Parameter):
-            raise TypeError(
-                f"{where} is an nn.Parameter: autograd would chain every step's graph onto the last "
-                f"(a memory leak); pass {{k: v.detach() for k, v in model.named_parameters()}}"
-            )
-        if leaf.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(leaf):
-            if leaf.grad_fn is not None:
-                raise TypeError(
-                    f"{where} requires grad, as a step's output does while plain autograd records: autograd would "
-                    f"chain every step's graph onto the last (a memory leak); pass it .detach()ed, or take a "
-                    f"meta-gradient through several steps with torch.func.grad"
-                )
-            raise TypeError(
-                f"{where} requires grad (torch.func.stack_module_state returns such tensors): autograd would "
-                f"chain every step's graph onto the last (a memory leak); pass it .detach()ed"
-            )
+    return _checked_leaves(params, None)
 
 
-def check_params(params: Any, policy: Policy) -> None:
-    """Every parameter is differentiated, so each must be a floating tensor in the param dtype."""
-    check_param_leaves(params)
-    for path, leaf in pytree.tree_flatten_with_path(params)[0]:
-        where = f"params{pytree.keystr(path)}"
-        if not (leaf.is_floating_point() or leaf.is_complex()):
-            raise TypeError(
-                f"{where} is {leaf.dtype}; every leaf of params is differentiated, "
-                f"so pass integer buffers (e.g. num_batches_tracked) through *args instead"
-            )
-        if leaf.is_floating_point() and leaf.dtype != policy.param_dtype:
-            raise TypeError(
-                f"{where} is {leaf.dtype} but the policy stores params in {policy.param_dtype}; "
-                f"cast them with policy.cast_to_param(params) or choose another policy"
-            )
+def check_params(params: Any, policy: Policy) -> torch.device | None:
+    """As `check_param_leaves`, and every parameter, being differentiated, a floating tensor in the param dtype."""
+    return _checked_leaves(params, policy)
 
 
 def _check_loss(loss: Any, subject: str) -> torch.Tensor:
@@ -316,7 +339,8 @@ def mixed_precision_grad(
     Raises:
         TypeError, ValueError: Naming the problem, if `loss_fn` returns anything but 0-dim floating
             losses (one per scaler) and a tensor aux, a parameter is not a floating tensor in the
-            param dtype, or `scaler` or `policy` is of the wrong type. Eager, also if the loss
+            param dtype, `scaler` or `policy` is of the wrong type, or the scaler is on another
+            device than the params (their first accelerator) or stacked (outside vmap). Eager, also if the loss
             reads a module's own parameters outside `params` (a module called as `model(x)`, or
             frozen weights that still require grad), which the step would not update.
     """
@@ -325,8 +349,7 @@ def mixed_precision_grad(
     check_bool("has_aux", has_aux)
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be an fmp.Policy (e.g. fmp.get_policy('c=bf16')), got {type(policy).__name__}")
-    check_params(params, policy)
-    check_on_device(scaler, tree_accelerator_device(params), "scaler", "params", SCALER_DEVICE_HINT)
+    check_on_device(scaler, check_params(params, policy), "scaler", "params", SCALER_DEVICE_HINT)
     scalers = scaler if isinstance(scaler, tuple) else (scaler,)
     forward = _forward(loss_fn, policy)
 

@@ -212,11 +212,11 @@ def train_step(
     if not isinstance(state.counts, StepCounts):
         got = type(state.counts).__name__
         raise TypeError(f"state.counts must be an fmp.StepCounts (TrainState.create makes one), got {got}")
-    state.counts.check(tree_accelerator_device(state.params))
     if donate:
         check_distinct(state, "state")  # before anything is written
     params, opt_state, scaler = state.params, state.opt_state, state.scaler
     gradients = mixed_precision_grad(loss_fn, params, scaler, *args, policy=policy, has_aux=has_aux)
+    state.counts.check(gradients.grads_finite.device)  # where the params are (their first accelerator)
     if reduce_grads is not None:
         gradients = reduce_grads(gradients)
         if not isinstance(gradients, Gradients):

@@ -112,8 +112,10 @@ def check_on_device(tree: Any, device: torch.device | None, name: str, owner: st
     A step's state kept on another device than its params would drift to theirs on the first
     update (a 0-dim CPU tensor mixes with CUDA tensors), and a compiled step would recompile for it.
     """
-    if device is None:
-        return
+    if device is None or all(
+        leaf.device == device for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)
+    ):
+        return  # key paths only for the message: flattening with them costs several times a plain flatten
     for path, leaf in pytree.tree_flatten_with_path(tree)[0]:
         if isinstance(leaf, torch.Tensor) and leaf.device != device:
             raise ValueError(f"{name}{pytree.keystr(path)} is on {leaf.device} but the {owner} are on {device}; {hint}")

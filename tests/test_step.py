@@ -256,6 +256,20 @@ def test_a_stacked_scaler_outside_vmap_is_refused_where_it_would_broadcast() -> 
         fmp.unscale_and_adjust(stacked, [torch.ones(2, 2)])
     with pytest.raises(ValueError, match=message):
         fmp.TrainState.create(params, fmp.optim.sgd(0.1), stacked)
+    with pytest.raises(ValueError, match=r"scaler\[1\]: " + message):  # one of several losses' scalers
+        fmp.mixed_precision_grad(
+            lambda p, x: ((p["w"] @ x).sum(), p["w"].sum()),
+            params,
+            (fmp.NoOpLossScale(), stacked),
+            x,
+            policy=fmp.Policy(),
+        )
+    # A whole stacked state, its scaler holding no tensor: the counts say it.
+    states = fmp.stack_trees([fmp.TrainState.create(params, fmp.optim.sgd(0.1), fmp.NoOpLossScale())] * 2)
+    with pytest.raises(
+        ValueError, match=r"state.counts.applied has shape \(2,\), but a step's counts are 0-dim: run a"
+    ):
+        fmp.train_step(lambda p, x: (p["w"] @ x).sum(), states, x, policy=fmp.Policy(), optimizer=fmp.optim.sgd(0.1))
 
 
 @pytest.mark.parametrize("policy_spec", ["p=bf16,c=bf16,o=f32", "p=f16,c=f16,o=f32", "p=f64,c=f32,o=f64"])
