@@ -25,7 +25,8 @@ def grads_and_params(dtype: torch.dtype, scale: float) -> tuple[dict[str, torch.
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("grad_scale", "max_norm"), [(10.0, 1.0), (0.01, 1.0), (3.0, 0.5)])
+# A norm near max_norm (0.1, 0.5) shows clip_grad_norm_'s 1e-6 in the factor's last bits.
+@pytest.mark.parametrize(("grad_scale", "max_norm"), [(10.0, 1.0), (0.01, 1.0), (3.0, 0.5), (0.1, 0.5)])
 def test_matches_clip_grad_norm_then_sgd_bit_for_bit(dtype: torch.dtype, grad_scale: float, max_norm: float) -> None:
     grads, params = grads_and_params(dtype, grad_scale)
     optimizer = fmp.optim.clip_by_global_norm(fmp.optim.sgd(0.1), max_norm)
@@ -78,6 +79,22 @@ def test_global_norm_is_clip_grad_norms_value(dtype: torch.dtype) -> None:
     grads, _ = grads_and_params(dtype, 3.0)
     torch.testing.assert_close(fmp.optim.global_norm({**grads, "steps": torch.tensor(7)}), clip_grad_norm_value(grads))
     assert float(fmp.optim.global_norm({"steps": torch.tensor(7)})) == 0.0
+
+
+def test_complex_gradients_are_measured_and_clipped_as_clip_grad_norm_does() -> None:
+    grads = {"w": torch.tensor([3.0, 4.0]), "z": torch.tensor([10 + 10j, 5 - 2j])}
+    torch.testing.assert_close(fmp.optim.global_norm(grads), clip_grad_norm_value(grads))
+    torch_params = {k: torch.nn.Parameter(torch.zeros_like(g)) for k, g in grads.items()}
+    for k, p in torch_params.items():
+        p.grad = grads[k].clone()
+    torch.nn.utils.clip_grad_norm_(torch_params.values(), 1.0)
+    optimizer = fmp.optim.clip_by_global_norm(fmp.optim.sgd(1.0), 1.0)
+    new, _ = optimizer.update(
+        grads,
+        optimizer.init({k: torch.zeros_like(g) for k, g in grads.items()}),
+        {k: torch.zeros_like(g) for k, g in grads.items()},
+    )
+    assert_trees_bitwise_equal(new, {k: -p.grad for k, p in torch_params.items()})
 
 
 def test_a_step_reports_the_norm_of_the_gradients_its_update_received_when_asked() -> None:

@@ -62,6 +62,24 @@ def test_a_window_that_overflowed_at_the_minimum_scale_counts_as_stalled() -> No
     assert [int(state.counts.skipped), int(state.counts.stalled)] == [1, 1]
 
 
+def test_a_skip_with_the_overflowing_scale_above_its_minimum_ends_a_stall() -> None:
+    # Two losses: the first overflows at its minimum (stalled), then the second overflows with room
+    # to back off; that skip is no stall, so the count starts again.
+    sgd = fmp.optim.sgd(0.1)
+    at_minimum = fmp.DynamicLossScale.create(init_scale=1.0, min_scale=1.0)
+    with_room = fmp.DynamicLossScale.create(init_scale=8.0, min_scale=1.0)
+    state = fmp.TrainState.create({"w": torch.ones(2)}, sgd, (at_minimum, with_room))
+    nan, one = torch.tensor([float("nan"), 1.0]), torch.ones(2)
+    stalled = []
+    for xa, xb in ((nan, one), (one, nan)):
+        state, info = fmp.train_step(
+            lambda p, xa, xb: ((p["w"] * xa).sum(), (p["w"] * xb).sum()), state, xa, xb, policy=F32, optimizer=sgd
+        )
+        assert not bool(info.applied)
+        stalled.append(int(state.counts.stalled))
+    assert stalled == [1, 0] and int(state.counts.skipped) == 2
+
+
 def test_a_static_scale_is_always_at_its_minimum() -> None:
     state = run(
         fmp.TrainState.create(mlp_params(), ADAM, fmp.StaticLossScale.create(128.0)), [False, False, True, False]

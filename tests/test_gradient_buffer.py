@@ -437,3 +437,19 @@ def test_named_parameters_attach_alike_and_their_names_are_given() -> None:
     frozen[0].weight.requires_grad_(False)
     with pytest.raises(ValueError, match=r"params\[0\] \('0\.weight', shape .* does not require grad"):
         fmp.GradientBuffer.attach(frozen.named_parameters())
+
+
+def test_zero__clears_the_padding_a_non_finite_clip_wrote() -> None:
+    # A NaN norm makes a NaN clip factor, multiplied over the whole buffer, padding included; a
+    # padding left NaN would make every later norm NaN and skip every later step.
+    param = torch.nn.Parameter(torch.randn(10, generator=torch.Generator().manual_seed(0)))
+    buffer = fmp.GradientBuffer.attach([param], compiled=False)
+    scaler = fmp.DynamicLossScale.create(init_scale=4.0)
+    (param * float("nan")).sum().backward()
+    grads_finite, _, scaler = buffer.unscale_and_clip_(scaler, 1.0)
+    assert not bool(grads_finite)
+    buffer.zero_()
+    assert not bool(buffer.flat()[0].isnan().any())
+    (param * scaler.loss_scale).sum().backward()
+    grads_finite, norm, _ = buffer.unscale_and_clip_(scaler, 1.0)
+    assert bool(grads_finite) and float(norm) == float(torch.linalg.vector_norm(torch.ones(10)))

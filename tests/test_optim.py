@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import TOLERANCES
 from conftest import assert_trees_bitwise_equal
 from conftest import assert_trees_close
 from conftest import assert_unmutated
@@ -19,16 +20,25 @@ SGD_CONFIGS = [
     {"lr": 0.05, "momentum": 0.9},
     {"lr": 0.05, "momentum": 0.9, "dampening": 0.3, "weight_decay": 1e-3},
     {"lr": 0.05, "momentum": 0.8, "nesterov": True},
+    {"lr": 0.05, "momentum": 0.8, "nesterov": True, "weight_decay": 0.01},
 ]
 ADAM_CONFIGS = [
     {"lr": 1e-2, "eps": 1e-7},  # the default 1e-8 rounds to 0 in float16, which fmp refuses
     {"lr": 1e-2, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1},
 ]
 
+
+def scheduled(factory: Callable[..., fmp.optim.Optimizer]) -> Callable[..., fmp.optim.Optimizer]:
+    """`factory` given its lr as a (constant) schedule: the lr then comes from a tensor on device."""
+    return lambda lr, **config: factory(fmp.optim.schedule.constant(lr), **config)
+
+
 CASES: list[tuple[str, Callable[..., fmp.optim.Optimizer], type[torch.optim.Optimizer], dict[str, Any]]] = [
     *[("sgd", fmp.optim.sgd, torch.optim.SGD, c) for c in SGD_CONFIGS],
     *[("adam", fmp.optim.adam, torch.optim.Adam, c) for c in ADAM_CONFIGS],
     *[("adamw", fmp.optim.adamw, torch.optim.AdamW, c) for c in ADAM_CONFIGS],
+    ("sgd-scheduled", scheduled(fmp.optim.sgd), torch.optim.SGD, SGD_CONFIGS[3]),
+    ("adamw-scheduled", scheduled(fmp.optim.adamw), torch.optim.AdamW, ADAM_CONFIGS[1]),
 ]
 
 
@@ -71,8 +81,11 @@ def test_matches_torch_optim(
     # The arithmetic is torch's, op for op: 32- and 16-bit results agree bit for bit. In float64,
     # Adam's on-device beta**step may differ from Python's pow in the last bit, and the update with it.
     expected = {k: p.detach() for k, p in reference.items()}
-    if dtype == torch.float64 and name != "sgd":
+    if dtype == torch.float64 and name not in ("sgd", "sgd-scheduled"):
         assert_trees_close(params, expected, rtol=1e-13, atol=0.0)
+    elif name == "sgd-scheduled" and dtype in (torch.bfloat16, torch.float16):
+        # torch's CPU kernel rounds a float lr to the param's dtype; fmp keeps a scheduled lr in float32.
+        assert_trees_close(params, expected, **TOLERANCES[dtype])
     else:
         assert_trees_bitwise_equal(params, expected)
 

@@ -88,6 +88,22 @@ def test_a_skipped_step_keeps_every_groups_state_and_a_clip_spans_the_groups() -
     assert int(state.opt_state["decay"].step) == int(state.opt_state["no_decay"].step) == 1
 
 
+def test_labels_see_names_as_named_parameters_gives_them() -> None:
+    # Nested dicts and lists are named with dots, as model.named_parameters() names a ModuleList's.
+    params = {"layers": [{"weight": torch.ones(2, 2)}, {"weight": torch.ones(2, 2)}], "head": (torch.ones(2),)}
+    seen: list[str] = []
+
+    def label(name: str, param: torch.Tensor) -> str:
+        seen.append(name)
+        return "frozen" if name.startswith("layers.0.") else "trained"
+
+    optimizer = fmp.optim.partition({"frozen": fmp.optim.sgd(0.0), "trained": fmp.optim.sgd(1.0)}, label)
+    new, _ = optimizer.update(torch.utils._pytree.tree_map(torch.ones_like, params), optimizer.init(params), params)
+    assert sorted(set(seen)) == ["head.0", "layers.0.weight", "layers.1.weight"]
+    assert torch.equal(new["layers"][0]["weight"], params["layers"][0]["weight"])
+    assert not torch.equal(new["layers"][1]["weight"], params["layers"][1]["weight"])
+
+
 def test_bad_groups_are_named() -> None:
     sgd = fmp.optim.sgd(0.1)
     params: dict[str, Any] = {"w": torch.zeros(2, 2), "b": torch.zeros(2)}
