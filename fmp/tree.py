@@ -352,8 +352,9 @@ def unstack_tree(tree: Tree, index: int | torch.Tensor) -> Tree:
     member (`tree_map(torch.clone, ...)`) to save it alone.
 
     Raises:
-        TypeError: If `index` is not an int, or a leaf is not a tensor.
-        ValueError: If a leaf is 0-dim (not stacked) or `index` is out of range for the stack.
+        TypeError: If `index` is neither an int nor a 0-dim integer tensor, or a leaf is not a tensor.
+        ValueError: If a leaf is 0-dim (not stacked) or an int `index` is out of range for the stack.
+        IndexError: From torch, for a tensor `index` out of range (checked where it is read).
     """
     if isinstance(index, torch.Tensor):  # e.g. losses.argmin(): torch checks its range on indexing
         if index.dim() != 0 or index.is_floating_point() or index.dtype == torch.bool:
