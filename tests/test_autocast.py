@@ -436,6 +436,12 @@ def test_overrides_of_an_inner_op_reach_the_calls_routed_to_it() -> None:
     assert autocast(torch.square, torch.float16, overrides={"pow": None})(x).dtype == torch.float16
     assert autocast(torch.square, torch.float16, overrides={"square": None})(x).dtype == torch.float16
     assert autocast(torch.Tensor.square, torch.float16, overrides={"__pow__": None})(x).dtype == torch.float16
+    # `1 / x` is __rtruediv__, which torch names __rdiv__ (a float32 rule): an override by either name reaches it.
+    reciprocal = operator.truediv
+    assert autocast(lambda x: reciprocal(1, x), torch.float16)(x).dtype == torch.float32
+    for key in ("__rtruediv__", "__rdiv__", torch.Tensor.__rtruediv__):
+        assert autocast(lambda x: reciprocal(1, x), torch.float16, overrides={key: None})(x).dtype == torch.float16
+        assert autocast(lambda x: x / 2, torch.float16, overrides={key: None})(x).dtype == torch.float16  # div: no rule
     contract = functools.partial(torch.einsum, "ij,jk->ik")
     assert autocast(contract, torch.bfloat16, rules="cpu")(m, m).dtype == torch.bfloat16  # reaches bmm
     assert autocast(contract, torch.bfloat16, rules="cpu", overrides={"einsum": None})(m, m).dtype == torch.float32

@@ -99,6 +99,9 @@ CASES: dict[str, Case] = {
     "sum_to_size": _same(torch.Tensor.sum_to_size, M, 1, 4),
     "sum_to_size-list": _same(torch.Tensor.sum_to_size, T3, [3, 4]),
     "sum_to_size-none": _same(torch.Tensor.sum_to_size, M, (4, 4)),
+    "sum_to_size-none-ones": _same(torch.Tensor.sum_to_size, M[:1], 1, 4),  # size-1 dims that stay: no sum
+    "rnn_relu_cell": _same(torch.rnn_relu_cell, M[:2], M[:2], M, M, V, V),
+    "rnn_tanh_cell": _same(torch.rnn_tanh_cell, M[:2], M[:2], M, M, V, V),
     # Matmuls under another name, and the powers that reach one.
     "linalg.matmul": _same(torch.linalg.matmul, M, M),
     "x @ y": _same(operator.matmul, M, M),

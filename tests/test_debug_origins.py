@@ -182,3 +182,33 @@ def test_a_backward_nan_that_never_reaches_the_gradients_gets_no_step_advice() -
     report = fmp.locate_nonfinite(loss_fn, {"w": torch.eye(2)}, torch.ones(1, 2), policy=F32, scaler=scaler)
     assert report.finite and report.backward is not None
     assert "gradients: finite" in str(report) and "backs off" not in str(report)
+
+
+def test_a_mask_filled_with_minus_inf_before_a_softmax_is_no_origin() -> None:
+    # masked_fill(mask, -inf) puts the inf there on purpose (attention masks): not an overflow.
+    mask = torch.zeros(3, 6, dtype=torch.bool)
+    mask[:, 0] = True
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return (x @ params["w"]).masked_fill(mask, float("-inf")).softmax(-1).sum()
+
+    report = fmp.locate_nonfinite(loss_fn, {"w": torch.randn(6, 6)}, torch.randn(3, 6), policy=F32)
+    assert report.forward is None and report.finite
+
+
+def test_the_origin_is_named_in_the_largest_module_that_ran() -> None:
+    # The loss runs a submodule alone (where the overflow first happens), then the whole model:
+    # the module is named by its path in the model, "2.0", not by its path in the submodule, "0".
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 1))
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    params["2.0.weight"] = params["2.0.weight"] * 1e5
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        inner = torch.func.functional_call(model[2], {k[2:]: v for k, v in params.items() if k.startswith("2.")}, (x,))
+        out = torch.func.functional_call(model, params, (x,))
+        return nn.functional.mse_loss(out, y) + 0 * inner.sum().clamp(max=0)
+
+    policy = fmp.get_policy("params=float32,compute=float16,output=float32")
+    report = fmp.locate_nonfinite(loss_fn, params, torch.randn(4, 8), torch.randn(4, 1), policy=policy)
+    assert report.forward is not None and (report.forward.module, report.forward.module_type) == ("2.0", "Linear")

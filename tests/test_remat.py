@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -166,6 +167,26 @@ def test_the_inputs_are_freed_with_the_backward_pass() -> None:
     assert not weak.expired()
     out.sum().backward()
     assert weak.expired() and out.grad_fn is not None
+
+
+def test_the_recomputes_activations_are_freed_as_its_backward_uses_them_in_the_step() -> None:
+    # Under the step's torch.func transform too, the recompute's backward frees what its ops saved
+    # once they have run: h, saved by the final mul, is gone when the backward reaches a1's producer.
+    alive: list[bool] = []
+
+    def block(a: torch.Tensor) -> torch.Tensor:
+        a1 = a * 1.0
+        h = a1.exp()
+        saved = weakref.ref(fmp.tree.functorch_base(h))
+        if a1.requires_grad:  # the recompute (the forward ran without tracking)
+            a1.register_hook(lambda grad: alive.append(saved() is not None) or grad)
+        return h * h
+
+    loss_fn = lambda params, x: fmp.remat(block)(params["w"] * x).sum()  # noqa: E731
+    fmp.mixed_precision_grad(
+        loss_fn, {"w": torch.randn(1000)}, fmp.NoOpLossScale(), torch.ones(1000), policy=fmp.Policy()
+    )
+    assert alive == [False]
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch.func.jvp's first use

@@ -76,6 +76,20 @@ def test_a_generator_passed_in_is_replayed_and_left_where_the_forward_left_it(ba
     assert_trees_bitwise_equal(grad_and_generator(fmp.remat(noisy_block)), grad_and_generator(noisy_block))
 
 
+def test_draws_the_caller_makes_between_forward_and_backward_are_not_undone() -> None:
+    # The recompute sets the passed generator to its forward state, then puts back where the
+    # caller has moved it since: the caller's next draw is new, not a repeat.
+    generator = torch.Generator().manual_seed(0)
+    block = fmp.remat(lambda a, gen: F.dropout(a, 0.5) * torch.rand(a.shape, generator=gen))
+    w = torch.randn(8, requires_grad=True)
+    out = block(w, generator)
+    drawn_between = torch.rand(3, generator=generator)
+    after = generator.get_state()
+    out.sum().backward()
+    assert torch.equal(generator.get_state(), after)
+    assert not torch.equal(torch.rand(3, generator=generator), drawn_between)
+
+
 def test_a_block_inside_a_torch_autocast_takeover_is_recomputed_as_it_ran() -> None:
     # Model code turning torch.autocast off inside fmp.autocast: the block runs in float32, so
     # must its recompute, and the region's ops after it are still torch's.

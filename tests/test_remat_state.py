@@ -30,7 +30,10 @@ def test_captured_tensors_that_need_gradients_are_refused() -> None:
     layer = nn.Linear(8, 8)
     with pytest.raises(RuntimeError, match=r"wrap the nn\.Module itself"):
         fmp.remat(lambda h: layer(h))(x)
-    # Captured constants (nothing differentiates them) are fine, also ones made inside a transform.
+    # Captured constants (nothing differentiates them) are fine, also ones made inside a transform,
+    # and so are reads of a tracked tensor's shape and dtype alone (no gradient flows through them).
+    shaped_like = fmp.remat(lambda h: (h @ w1).sum() + torch.zeros_like(tracked).sum() + torch.ones_like(tracked)[0, 0])
+    shaped_like(x.clone().requires_grad_()).sum().backward()
     fmp.remat(lambda h: torch.tanh(h @ w1))(x.clone().requires_grad_()).sum().backward()
 
     def masked(w: torch.Tensor) -> torch.Tensor:
