@@ -174,6 +174,29 @@ def reduce_errors(rank: int, world: int) -> dict[str, Any]:
     return errors
 
 
+def float16_overflow(rank: int) -> dict[str, Any]:
+    """Finite gradients of 70000 on every rank, averaged in float16 (max 65504): every flag drops."""
+    del rank
+    finite = torch.ones((), dtype=torch.bool)
+    gradients = fmp.Gradients({"w": torch.tensor([70000.0])}, finite, (), (), (finite, finite.clone()))
+    reduced = fmp.distributed.all_reduce_gradients(gradients, policy=fmp.get_policy("p=f32,r=f16"))
+    return {"grads_finite": bool(reduced.grads_finite), "finite_per_loss": [bool(f) for f in reduced.finite_per_loss]}
+
+
+def unscaled_loss_on_the_wire() -> bool:
+    """One loss unscaled (NoOpLossScale), one scaled by 2**16, reduced in float16: the gradients go
+    over the wire at the smallest scale, capped at 1, so the unscaled loss's do not overflow."""
+    sgd = fmp.optim.sgd(0.1)
+    state = fmp.TrainState.create({"w": torch.ones(4)}, sgd, (fmp.NoOpLossScale(), fmp.StaticLossScale.create(2.0**16)))
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return 10.0 * (params["w"] * x).sum(), 1e-3 * params["w"].sum()
+
+    policy = fmp.get_policy("p=f32,r=f16")
+    _, info = fmp.distributed.train_step(loss_fn, state, torch.ones(4), policy=policy, optimizer=sgd)
+    return bool(info.applied)
+
+
 def scenario_main(rank: int, world: int) -> dict[str, Any]:
     """Everything that shares one healthy process group."""
     results: dict[str, Any] = {}
@@ -188,8 +211,16 @@ def scenario_main(rank: int, world: int) -> dict[str, Any]:
     results["many_params_small_buckets"] = count_all_reduces(lambda: many_params_step(rank, 0.01, "functional"))
     results["many_params_eager"] = many_params_step(rank, 0.01, "eager")
     results["errors"] = reduce_errors(rank, world)
-    # Misuse is named: another layout on one rank, replicas that differ, a group without this rank.
-    for name, tree in (("layout", {"w": torch.zeros(2 + rank)}), ("values", {"w": torch.full((2,), float(rank))})):
+    results["float16_overflow"] = float16_overflow(rank)
+    results["unscaled_loss_on_the_wire"] = unscaled_loss_on_the_wire()
+    # Misuse is named: another layout on one rank, replicas that differ (in value, or only in order),
+    # a group without this rank.
+    reordered = {"w": torch.tensor([1.0, 2.0, 3.0]) if rank == 0 else torch.tensor([3.0, 2.0, 1.0])}
+    for name, tree in (
+        ("layout", {"w": torch.zeros(2 + rank)}),
+        ("values", {"w": torch.full((2,), float(rank))}),
+        ("order", reordered),
+    ):
         try:
             (fmp.distributed.broadcast_tree if name == "layout" else fmp.distributed.check_replicas)(tree)
         except ValueError as error:

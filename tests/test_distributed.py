@@ -144,6 +144,16 @@ def test_reduce_in_bfloat16_costs_the_documented_accuracy_and_the_default_is_exa
     assert_trees_close(main[0]["bf16"].params, main[0]["f32"].params, **TOLERANCES[torch.bfloat16])
 
 
+def test_a_float16_average_that_overflows_drops_every_flag_and_an_unscaled_loss_travels_unscaled(
+    main: list[dict[str, Any]],
+) -> None:
+    # Finite on every rank, 70000 each: the float16 sum overflows, so no loss's scale is to blame alone.
+    for result in main:
+        assert result["float16_overflow"] == {"grads_finite": False, "finite_per_loss": [False, False]}
+        # With a NoOpLossScale beside a scale of 2**16, float16 carries the gradients at scale 1.
+        assert result["unscaled_loss_on_the_wire"] is True
+
+
 def test_hundreds_of_parameters_take_one_all_reduce(main: list[dict[str, Any]]) -> None:
     rank0, rank1 = main
     (state, calls), (small_state, small_calls) = rank0["many_params"], rank0["many_params_small_buckets"]
@@ -161,6 +171,7 @@ def test_misuse_is_named(main: list[dict[str, Any]]) -> None:
         in (rank0["layout_error"])
     )
     assert rank1["values_error"] == "check_replicas: tree['w'] differs between rank 0 and ranks [1]"
+    assert rank1["order_error"] == "check_replicas: tree['w'] differs between rank 0 and ranks [1]"  # same sum
     assert "global rank 1) is not a member of the group" in rank1["group_error"]
 
 
