@@ -32,7 +32,6 @@ from fmp.tree import functorch_base
 from fmp.tree import tree_accelerator_device
 
 __all__ = [
-    "SCALER_DEVICE_HINT",
     "Gradients",
     "ScalerTree",
     "check_param_leaves",
@@ -43,7 +42,6 @@ __all__ = [
     "with_policy",
 ]
 
-SCALER_DEVICE_HINT = "create it there (its create(..., device=...)), or let TrainState.create move it there"
 LossFn = Callable[..., Any]
 ScalerTree = LossScale | tuple[LossScale, ...]
 """One loss-scale state, or a tuple of them, one per loss."""
@@ -349,7 +347,8 @@ def mixed_precision_grad(
     check_bool("has_aux", has_aux)
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be an fmp.Policy (e.g. fmp.get_policy('c=bf16')), got {type(policy).__name__}")
-    check_on_device(scaler, check_params(params, policy), "scaler", "params", SCALER_DEVICE_HINT)
+    hint = "create it there (its create(..., device=...)), or let TrainState.create move it there"
+    check_on_device(scaler, check_params(params, policy), "scaler", "params", hint)
     scalers = scaler if isinstance(scaler, tuple) else (scaler,)
     forward = _forward(loss_fn, policy)
 

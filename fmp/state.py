@@ -56,14 +56,14 @@ class StepCounts(NamedTuple):
             ValueError: If a count is not 0-dim (a stacked state outside vmap) or is on another device.
         """
         for field, count in zip(self._fields, self, strict=True):
-            if isinstance(count, torch.Tensor) and count.dtype == torch.int64 and count.dim() != 0:
+            if not (isinstance(count, torch.Tensor) and count.dtype == torch.int64):
+                found = f"{count.dtype}{list(count.shape)}" if isinstance(count, torch.Tensor) else type(count).__name__
+                raise TypeError(f"state.counts.{field} must be a 0-dim int64 tensor, got {found}")
+            if count.dim() != 0:
                 raise ValueError(
                     f"state.counts.{field} has shape {tuple(count.shape)}, but a step's counts are 0-dim: run a "
                     f"stacked state (fmp.stack_trees) under torch.func.vmap, or take one member with fmp.unstack_tree"
                 )
-            if not (isinstance(count, torch.Tensor) and count.dtype == torch.int64 and count.dim() == 0):
-                found = f"{count.dtype}{list(count.shape)}" if isinstance(count, torch.Tensor) else type(count).__name__
-                raise TypeError(f"state.counts.{field} must be a 0-dim int64 tensor, got {found}")
         hint = "build the state with TrainState.create, which puts it there"
         check_on_device(self, device, "state.counts", "params", hint)
 
