@@ -1,6 +1,8 @@
-"""A small float32 torch.optim run, and the step that checks fmp goes on from it bit for bit."""
+"""A small float32 torch.optim run step by step, and the step that checks fmp goes on from it bit for bit."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from conftest import bits
@@ -10,6 +12,15 @@ import fmp
 
 def make_model() -> torch.nn.Sequential:
     return torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+
+
+def torch_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, *schedulers: Any) -> None:
+    """One step of torch's run on batch `x` (the mean square of the output as the loss)."""
+    model(x).square().mean().backward()
+    optimizer.step()
+    for scheduler in schedulers:
+        scheduler.step()
+    optimizer.zero_grad()
 
 
 def torch_run(kind: str, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:
@@ -26,9 +37,7 @@ def torch_run(kind: str, steps: int) -> tuple[torch.nn.Module, torch.optim.Optim
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randn(4, 16, generator=gen) for _ in range(steps + 1)]
     for x in batches[:steps]:
-        model(x).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        torch_step(model, optimizer, x)
     return model, optimizer, batches
 
 

@@ -11,6 +11,7 @@ from _torch_optim_runs import make_model
 from _torch_optim_runs import params_in_group_order
 from _torch_optim_runs import step_both_and_compare
 from _torch_optim_runs import torch_run
+from _torch_optim_runs import torch_step
 
 import fmp
 
@@ -28,10 +29,7 @@ def test_a_state_dict_saved_with_a_scheduler_converts_at_its_current_settings(sc
     model, optimizer, batches = torch_run("adamw", steps=0)
     schedule = scheduler(optimizer)
     for x in batches[:1] * 2:
-        model(x).square().mean().backward()
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
+        torch_step(model, optimizer, x, schedule)
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
     fmp_optimizer, opt_state = fmp.optim.from_torch_state_dict("adamw", optimizer.state_dict(), params, 2)
     # The scheduler's bookkeeping is left behind; lr and betas are taken as they stand now.
@@ -51,10 +49,7 @@ def test_a_scheduled_run_goes_on_with_the_schedule_given_as_lr() -> None:
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randn(4, 16, generator=gen) for _ in range(6)]
     for x in batches[:3]:
-        model(x).square().mean().backward()
-        optimizer.step()
-        warmup.step()
-        optimizer.zero_grad()
+        torch_step(model, optimizer, x, warmup)
     params = params_in_group_order(model, optimizer)
     schedules = {
         "group0": fmp.optim.schedule.linear(1e-2, start_factor=0.25, total_iters=5),
@@ -67,10 +62,7 @@ def test_a_scheduled_run_goes_on_with_the_schedule_given_as_lr() -> None:
         return torch.func.functional_call(model, params, (x,)).square().mean()
 
     for x in batches[3:]:  # the warmup's last steps and one past it
-        model(x).square().mean().backward()
-        optimizer.step()
-        warmup.step()
-        optimizer.zero_grad()
+        torch_step(model, optimizer, x, warmup)
         state, _ = fmp.train_step(loss_fn, state, x, policy=fmp.Policy(), optimizer=fmp_optimizer)
     for name, p in model.named_parameters():  # closed-form lr against LinearLR's running product
         torch.testing.assert_close(state.params[name], p.detach(), rtol=1e-6, atol=1e-7)
@@ -102,10 +94,7 @@ def exponential_run(late_group: bool, skipped: int) -> tuple[torch.nn.Module, to
     for step in range(3):
         for p in body:
             p.requires_grad_(step > 0 or not late_group)
-        model(torch.randn(4, 16)).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        decay.step()
+        torch_step(model, optimizer, torch.randn(4, 16), decay)
     for _ in range(skipped):
         decay.step()
     return model, optimizer, decay

@@ -11,6 +11,7 @@ from _torch_optim_runs import make_model
 from _torch_optim_runs import params_in_group_order
 from _torch_optim_runs import step_both_and_compare
 from _torch_optim_runs import torch_run
+from _torch_optim_runs import torch_step
 from conftest import bits
 
 import fmp
@@ -158,9 +159,7 @@ def test_a_run_moves_back_to_torch_optim_and_continues_bit_for_bit(kind: str, st
             p.copy_(state.params[name])
     optimizer.load_state_dict(fmp.optim.to_torch_state_dict(state.opt_state, optimizer))
     for x in batches[:2]:  # both go on: torch's state must not share fmp's tensors
-        model(x).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        torch_step(model, optimizer, x)
         state, _ = step(state, x)
     for name, p in model.named_parameters():
         assert torch.equal(bits(state.params[name]), bits(p.detach())), name
@@ -209,9 +208,7 @@ def test_several_param_groups_become_a_partition_and_continue_bit_for_bit() -> N
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randn(4, 16, generator=gen) for _ in range(4)]
     for x in batches[:3]:
-        model(x).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        torch_step(model, optimizer, x)
     params = params_in_group_order(model, optimizer)
     fmp_optimizer, opt_state = fmp.optim.from_torch_state_dict("adamw", optimizer.state_dict(), params, 3)
     assert sorted(opt_state) == ["group0", "group1"] and sorted(opt_state["group1"].exp_avg) == [
@@ -251,9 +248,7 @@ def test_named_and_late_groups_convert_in_the_models_order() -> None:
     for step, x in enumerate(batches[:3]):
         for _, p in body:
             p.requires_grad_(step > 0)  # the body is frozen for the first step
-        model(x).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        torch_step(model, optimizer, x)
     params = {name: p.detach().clone() for name, p in named.items()}  # the model's order
     fmp_optimizer, opt_state = fmp.optim.from_torch_state_dict("adamw", optimizer.state_dict(), params, 3)
     assert [int(opt_state[g].step) for g in ("group0", "group1")] == [3, 2]
