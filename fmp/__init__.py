@@ -1,5 +1,6 @@
 """fmp: functional mixed precision for PyTorch."""
 
+from fmp import nn
 from fmp import optim
 from fmp._struct import OPTREE_NAMESPACE
 from fmp.accumulate import GradientAccumulator
@@ -72,6 +73,7 @@ __all__ = [
     "mixed_precision_grad",
     "mixed_precision_step",
     "module_policies",
+    "nn",
     "no_autocast",
     "optim",
     "raise_if_stalled",

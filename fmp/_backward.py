@@ -1,50 +1,157 @@
-"""Gradients with torch.func that free each activation once the backward pass has used it.
+"""Gradients of a loss: plain autograd where nothing around the call transforms it, else torch.func.
 
 `torch.func.grad` always backpropagates with `create_graph=True`, so that a transform around it
 can differentiate the backward pass too. That keeps every activation the forward pass saved, and
 every intermediate of the backward pass, alive until the last gradient is out: on a residual MLP,
 2x the peak memory of `loss.backward()` (benchmarks/RESULTS.md), and an `fmp.remat` block's
-recompute stays alive as well, which undoes its saving. Where nothing around the call
-differentiates, `grad_and_aux` runs the backward pass as `loss.backward()` does instead.
+recompute stays alive as well, which undoes its saving. It also wraps every tensor the loss
+function touches, and refuses an `autograd.Function` written in the ctx-first style of torch's AMP
+docs (no `setup_context`), which most third-party kernels use.
+
+So eager, with no `torch.func` transform around the call, `grad_and_aux` runs the loss function on
+detached copies of the params that require grad and calls `torch.autograd.grad`, as
+`loss.backward()` would. Compiled, or inside `vmap`/`grad`/`jvp`, it takes `torch.func.grad`
+(Dynamo traces it whole; a transform needs it); there a ctx-style Function fails inside torch
+with its own message, which `grad_and_aux` completes with the way out.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
-from typing import cast
 
 import torch
-from torch._functorch.eager_transforms import _vjp_with_argnums
+import torch.utils._pytree as pytree
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-__all__ = ["grad_and_aux"]
+from fmp.tree import functorch_base
+
+__all__ = ["check_reads_no_module_parameters", "grad_and_aux", "tracked_leaves"]
+
+_SETUP_CONTEXT_ERROR = "must override the setup_context staticmethod"
 
 
-def _inside_differentiating_transform() -> bool:
-    """Whether a torch.func grad or jvp transform around the call will differentiate through it."""
-    differentiating = (torch._C._functorch.TransformType.Grad, torch._C._functorch.TransformType.Jvp)
-    return any(interpreter.key() in differentiating for interpreter in retrieve_all_functorch_interpreters())
+def _inside_transform() -> bool:
+    """Whether a torch.func transform (grad, vjp, jvp, vmap, functionalize) is running around the call."""
+    return bool(retrieve_all_functorch_interpreters())
+
+
+def tracked_leaves(roots: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The leaf tensors that require grad which autograd's graphs of `roots` accumulate into (or that they are)."""
+    found = [x for x in roots if x.grad_fn is None and x.requires_grad]
+    seen: set[Any] = set()
+    stack = [x.grad_fn for x in roots]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+        if variable is not None:
+            found.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+def _raise_for_module_parameters(read: Sequence[torch.Tensor]) -> None:
+    shapes = sorted({str(list(p.shape)) for p in read})
+    raise ValueError(
+        f"loss_fn's loss reads {len(read)} nn.Parameter(s) (shapes {', '.join(shapes)}) outside params: "
+        f"they get no update. Call the model as torch.func.functional_call(model, params, (x,)), "
+        f"not model(x), and call requires_grad_(False) on frozen weights left out of params"
+    )
+
+
+def _module_parameters(tensors: Sequence[torch.Tensor]) -> list[torch.nn.Parameter]:
+    return [x for x in tracked_leaves(tensors) if isinstance(x, torch.nn.Parameter)]
+
+
+def check_reads_no_module_parameters(loss: Any, args: Any) -> None:
+    """Raises if the loss reads a module's own `nn.Parameter`s, which get no gradient from the step.
+
+    Only a loss that autograd tracks is searched, so the usual step pays nothing, and what the
+    caller passed in `args` passes, `nn.Parameter`s included: a meta-gradient with plain autograd
+    through an input that requires grad (a learned hyperparameter, or a tensor computed from one).
+    Eager only: a compiled step cannot read autograd's graph while it is traced.
+
+    Args:
+        loss: The loss (a tensor or a pytree of them).
+        args: The further arguments `loss_fn` was given.
+
+    Raises:
+        ValueError: Naming how many parameters were read and their shapes.
+    """
+    if torch.compiler.is_compiling():
+        return
+    tracked = [functorch_base(x) for x in pytree.tree_leaves(loss) if isinstance(x, torch.Tensor)]
+    tracked = [x for x in tracked if x.requires_grad]
+    if not tracked:
+        return
+    inputs = [functorch_base(x) for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
+    passed = {id(p) for p in _module_parameters([x for x in inputs if x.requires_grad])}
+    for base in tracked:
+        read = [p for p in _module_parameters([base]) if id(p) not in passed]
+        if read:
+            _raise_for_module_parameters(read)
+
+
+def _with_autograd(fn: Callable[..., tuple[torch.Tensor, Any]], params: Any, *args: Any) -> tuple[Any, Any]:
+    leaves, spec = pytree.tree_flatten(params)
+    inputs = [leaf.detach().requires_grad_() for leaf in leaves]
+    with torch.enable_grad():
+        loss, aux = fn(pytree.tree_unflatten(inputs, spec), *args)
+    if not loss.requires_grad:
+        grads = [torch.zeros_like(x) for x in inputs]
+        return pytree.tree_unflatten(grads, spec), aux
+    # A loss that also reaches tensors outside params that require grad (a captured learned
+    # hyperparameter: a meta-gradient) needs the backward recorded, as torch.func.grad does.
+    own = {id(x) for x in inputs}
+    foreign = [leaf for leaf in tracked_leaves([loss]) if id(leaf) not in own]
+    read = [leaf for leaf in foreign if isinstance(leaf, torch.nn.Parameter)]
+    if read:
+        _raise_for_module_parameters(read)
+    record = bool(foreign)
+    found = torch.autograd.grad(loss, inputs, allow_unused=True, create_graph=record)
+    grads = [torch.zeros_like(x) if g is None else g for g, x in zip(found, inputs, strict=True)]
+    if not record:
+        # As torch.func.grad's aux: values, not a handle on this step's graph.
+        aux = pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
+    return pytree.tree_unflatten(grads, spec), aux
+
+
+def _needs_transform(args: Any) -> bool:
+    """Whether an argument requires grad: a meta-gradient through the step, which torch.func.grad records."""
+    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in pytree.tree_leaves(args))
 
 
 def grad_and_aux(fn: Callable[..., tuple[torch.Tensor, Any]], params: Any, *args: Any) -> tuple[Any, Any]:
-    """`torch.func.grad(fn, argnums=0, has_aux=True)(params, *args)`, freeing activations as it goes.
+    """`torch.func.grad(fn, argnums=0, has_aux=True)(params, *args)`, by plain autograd where it can.
 
     Args:
         fn: `fn(params, *args) -> (scalar loss, aux)`.
         params: What to differentiate with respect to.
-        *args: Further inputs, which enter the transform as inputs (so `fn` may update them in
+        *args: Further inputs, which enter a transform as inputs (so `fn` may update them in
             place) but are not differentiated.
 
     Returns:
         `(grads, aux)`: the gradients in the structure of `params`, and `fn`'s aux.
+
+    Raises:
+        RuntimeError: Compiled or inside a torch.func transform, if the loss reaches an
+            `autograd.Function` without `setup_context`, naming what to do.
     """
-    # Compiled, forward and backward are one graph whose buffers Inductor frees by itself.
-    if torch.compiler.is_compiling() or _inside_differentiating_transform():
+    if not (torch.compiler.is_compiling() or _inside_transform() or _needs_transform(args)):
+        return _with_autograd(fn, params, *args)
+    try:
         return torch.func.grad(fn, argnums=0, has_aux=True)(params, *args)  # type: ignore[no-any-return]
-    loss, pullback, aux = cast(tuple[Any, Any, Any], _vjp_with_argnums(fn, params, *args, argnums=0, has_aux=True))
-    # A loss autograd tracks outside the transform (through an input, or a tensor `fn` captured,
-    # that requires grad: a meta-gradient) needs the backward pass recorded, as torch.func.grad does.
-    record = loss.requires_grad
-    grads = pullback(torch.ones_like(loss), retain_graph=record, create_graph=record)
-    return grads, aux
+    except RuntimeError as error:
+        if _SETUP_CONTEXT_ERROR not in str(error):
+            raise
+        where = "compiled" if torch.compiler.is_compiling() else "inside a torch.func transform (vmap, grad, jvp)"
+        raise RuntimeError(
+            f"{error}\n(fmp: the loss reaches an autograd.Function written with ctx as forward's first argument, "
+            f"which torch.func cannot differentiate; the step runs such a Function eager and outside transforms, "
+            f"by plain autograd, but not {where}. Give the Function a setup_context staticmethod (torch's "
+            f"'Extending torch.func with autograd.Function' page) to compile or vmap it.)"
+        ) from error

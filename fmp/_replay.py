@@ -49,7 +49,8 @@ class Ambient:
         devices = set(devices)
         region = _active_modes()[-1] if _active_modes() else None
         # Inside a torch.autocast region entered within the fmp one, torch's state governs (replayed below).
-        self.region: AutocastMode | None = None if region is None or region.inside_torch_autocast() else region
+        # A native region is torch.autocast's own state, replayed below too.
+        self.region = region if isinstance(region, AutocastMode) and not region.inside_torch_autocast() else None
         kinds = sorted({d.type for d in devices} | {"cpu"})
         self.autocast = [
             (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))

@@ -39,10 +39,11 @@ from fmp.autocast_overrides import resolve_rules
 from fmp.autocast_paths import argument
 from fmp.autocast_paths import call_path
 from fmp.autocast_paths import negative_power
+from fmp.autocast_rules import RULE_SETS
 from fmp.autocast_rules import Cast
 from fmp.autocast_rules import RuleSet
 
-__all__ = ["AutocastMode", "autocast", "resolve_rules"]
+__all__ = ["AutocastMode", "NativeRegion", "autocast", "resolve_rules"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -76,13 +77,43 @@ def _plain_copies() -> dict[Any, Callable[..., Any]]:
     sets cast only where the call's own rule already does.
     """
     copies: dict[Any, Callable[..., Any]] = {}
-    for value in vars(torch.nn.functional).values():
-        if isinstance(value, FunctionType) and value.__module__ == "torch.nn.functional":
-            code, name = value.__code__, value.__name__
-            copy = FunctionType(code, value.__globals__, name, value.__defaults__, value.__closure__)
-            copy.__kwdefaults__ = value.__kwdefaults__
-            copies[value] = copy
+    functions = [v for v in vars(torch.nn.functional).values() if isinstance(v, FunctionType)]
+    # Dynamo puts `_list_with_default` (adaptive pooling's output size) in the graph as a torch
+    # function, which under a mode must return a tensor: the copies call a copy of it instead.
+    namespace = dict(vars(torch.nn.functional))
+    list_with_default = cast(FunctionType, torch.nn.modules.utils._list_with_default)
+    namespace["_list_with_default"] = _function_copy(list_with_default, namespace)
+    for value in functions:
+        if value.__module__ == "torch.nn.functional" and value not in torch._jit_internal.boolean_dispatched:
+            copies[value] = _function_copy(value, namespace)
+    for value in functions:
+        dispatch = torch._jit_internal.boolean_dispatched.get(value)
+        if dispatch is not None and dispatch["if_true"] in copies and dispatch["if_false"] in copies:
+            copies[value] = _boolean_dispatch_copy(dispatch, copies)
     return copies
+
+
+def _function_copy(function: FunctionType, namespace: dict[str, Any]) -> FunctionType:
+    """`function`'s code as a new function object reading its globals from `namespace`."""
+    copy = FunctionType(function.__code__, namespace, function.__name__, function.__defaults__, function.__closure__)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    return copy
+
+
+def _boolean_dispatch_copy(dispatch: Mapping[str, Any], copies: Mapping[Any, Callable[..., Any]]) -> Callable[..., Any]:
+    """A traceable twin of a `boolean_dispatch` composite (`F.max_pool2d`): the same choice, between plain copies.
+
+    Dynamo refuses to trace torch._jit_internal, where the dispatching function's code lives, so
+    compiled, `F.max_pool2d(x, 2)` inside a region would end the graph.
+    """
+    if_true, if_false = copies[dispatch["if_true"]], copies[dispatch["if_false"]]
+    arg_name, index, default = dispatch["arg_name"], dispatch["index"], dispatch["default"]
+
+    def choose(*args: Any, **kwargs: Any) -> Any:
+        flag = kwargs[arg_name] if arg_name in kwargs else args[index] if index < len(args) else default
+        return if_true(*args, **kwargs) if flag else if_false(*args, **kwargs)
+
+    return choose
 
 
 _PLAIN_COPIES = _plain_copies()
@@ -103,18 +134,57 @@ def _call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return func(*args, **kwargs)
 
 
+class NativeRegion:
+    """An fmp region run on torch's own autocast: a built-in rule set on the device it is for.
+
+    `autocast(fn, dtype, rules="cpu")` on CPU tensors (or "cuda" on CUDA ones) asks for exactly
+    what `torch.autocast` does there, so it runs `fn` inside `torch.autocast(device_type, dtype)`:
+    torch's dispatcher casts the aten ops, bit for bit as torch.amp, with no Python call per op,
+    and code that asks `torch.is_autocast_enabled()` or `torch.get_autocast_dtype()` (RNN input
+    checks, `custom_fwd`/`custom_bwd`) gets torch.autocast's answers.
+
+    Args:
+        device_type: "cpu" or "cuda".
+        dtype: The lower dtype.
+    """
+
+    def __init__(self, device_type: str, dtype: torch.dtype) -> None:
+        self.device_type = device_type
+        self.dtype = dtype
+
+    def run(self, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Calls `fn(*args, **kwargs)` inside `torch.autocast`, as the innermost fmp region.
+
+        Args:
+            fn: The function to call.
+            *args: Its positional arguments.
+            **kwargs: Its keyword arguments.
+
+        Returns:
+            What `fn` returns.
+        """
+        stack = _active_modes()
+        stack.append(self)
+        try:
+            with torch.autocast(self.device_type, dtype=self.dtype):
+                return fn(*args, **kwargs)
+        finally:
+            stack.pop()
+
+
 class _Local(threading.local):
     # Set up in each thread on first touch, so compiled code sees the list from its first trace on
     # (a lazily added attribute would fail a guard and recompile once).
     def __init__(self) -> None:
-        self.modes: list[AutocastMode] = []
+        self.modes: list[AutocastMode | NativeRegion] = []
 
 
-# The fmp modes active on this thread, innermost last (torch's own mode stack is per-thread too).
+# The fmp regions active on this thread, innermost last (torch's own mode stack is per-thread too).
+# Thread-local as torch.autocast's own state is.
 _LOCAL = _Local()
 
 
-def _active_modes() -> list[AutocastMode]:
+def _active_modes() -> list[AutocastMode | NativeRegion]:
     return _LOCAL.modes
 
 
@@ -176,6 +246,16 @@ class AutocastMode(TorchFunctionMode):
             What `fn` returns. The mode is left when `fn` returns or raises.
         """
         stack = _active_modes()
+        outer = stack[-1] if stack else None
+        if isinstance(outer, NativeRegion):
+            # The outer region's torch.autocast would cast this region's ops again: the innermost wins.
+            with torch.autocast(outer.device_type, enabled=False):
+                return self._run(stack, fn, *args, **kwargs)
+        return self._run(stack, fn, *args, **kwargs)
+
+    def _run(
+        self, stack: list[AutocastMode | NativeRegion], fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs
+    ) -> R:
         stack.append(self)
         # A mode run again inside its own run (fmp.remat's recompute) takes the present nesting as
         # its baseline for that call only.
@@ -319,9 +399,26 @@ def autocast(
     """
     check_callable("autocast's fn", fn)
     table = resolve_rules(rules, dtype, overrides)
+    native = None if overrides else _native_device_type(rules)
 
     @functools.wraps(fn)
     def autocast_fn(*args: P.args, **kwargs: P.kwargs) -> R:
+        if native is not None and _floating_tensors_on(native, (args, kwargs)):
+            return NativeRegion(native, dtype).run(fn, *args, **kwargs)
         return AutocastMode(table).run(fn, *args, **kwargs)
 
     return autocast_fn
+
+
+def _native_device_type(rules: str | RuleSet) -> str | None:
+    """The device type whose torch.autocast `rules` are, or None for rules of one's own."""
+    for device_type, built_in in RULE_SETS.items():
+        if rules == device_type or rules is built_in:
+            return device_type
+    return None
+
+
+def _floating_tensors_on(device_type: str, tree: Any) -> bool:
+    """Whether `tree` holds floating tensors and all of them are on `device_type`."""
+    kinds = {x.device.type for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor) and x.is_floating_point()}
+    return kinds == {device_type}

@@ -17,6 +17,7 @@ from typing import cast
 import torch
 import torch.utils._pytree as pytree
 
+from fmp._backward import check_reads_no_module_parameters
 from fmp._backward import grad_and_aux
 from fmp._checks import check_bool
 from fmp._checks import check_callable
@@ -28,7 +29,6 @@ from fmp.policy import Policy
 from fmp.tree import all_finite
 from fmp.tree import check_no_opaque_leaves
 from fmp.tree import check_on_device
-from fmp.tree import functorch_base
 from fmp.tree import tree_accelerator_device
 
 __all__ = [
@@ -180,54 +180,6 @@ def _check_losses(out: Any, scaler: ScalerTree) -> Any:
         got = f"a tuple of {len(out)}" if isinstance(out, tuple) else f"a {type(out).__name__}"
         raise TypeError(f"with a tuple of {len(scaler)} scalers, loss_fn must return {len(scaler)} losses, got {got}")
     return tuple(_check_loss(loss, f"loss_fn's loss[{index}] must be") for index, loss in enumerate(out))
-
-
-def _module_parameters_read(tensors: list[torch.Tensor]) -> list[torch.nn.Parameter]:
-    """The `nn.Parameter`s that autograd's graphs of `tensors` accumulate into (or that they are), in no order."""
-    found = [x for x in tensors if isinstance(x, torch.nn.Parameter)]
-    seen: set[Any] = set()
-    stack = [x.grad_fn for x in tensors]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
-        if isinstance(variable, torch.nn.Parameter):
-            found.append(variable)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return found
-
-
-def check_reads_no_module_parameters(loss: Any, args: Any) -> None:
-    """Raises if the loss reads a module's own `nn.Parameter`s, which get no gradient from the step.
-
-    Only a loss that autograd tracks is searched, so the usual step pays nothing, and what the
-    caller passed in `args` passes, `nn.Parameter`s included: a meta-gradient with plain autograd
-    through an input that requires grad (a learned hyperparameter, or a tensor computed from one).
-    Eager only: a compiled step cannot read autograd's graph while it is traced.
-
-    Args:
-        loss: The loss (a tensor or a pytree of them).
-        args: The further arguments `loss_fn` was given.
-    """
-    if torch.compiler.is_compiling():
-        return
-    tracked = [functorch_base(x) for x in pytree.tree_leaves(loss) if isinstance(x, torch.Tensor)]
-    tracked = [x for x in tracked if x.requires_grad]
-    if not tracked:
-        return
-    inputs = [functorch_base(x) for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
-    passed = {id(p) for p in _module_parameters_read([x for x in inputs if x.requires_grad])}
-    for base in tracked:
-        read = [p for p in _module_parameters_read([base]) if id(p) not in passed]
-        if read:
-            shapes = sorted({str(list(p.shape)) for p in read})
-            raise ValueError(
-                f"loss_fn's loss reads {len(read)} nn.Parameter(s) (shapes {', '.join(shapes)}) outside params: "
-                f"they get no update. Call the model as torch.func.functional_call(model, params, (x,)), "
-                f"not model(x), and call requires_grad_(False) on frozen weights left out of params"
-            )
 
 
 def _warn_unless_depends_on_params(loss: torch.Tensor, which: str, params: Any, args: Any) -> None:

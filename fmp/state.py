@@ -18,7 +18,7 @@ from fmp.optim._base import Optimizer
 from fmp.tree import check_on_device
 from fmp.tree import tree_accelerator_device
 
-__all__ = ["StepCounts", "TrainState", "check_optimizer"]
+__all__ = ["StepCounts", "TrainState", "check_model_state", "check_optimizer"]
 
 
 @serializable_namedtuple
@@ -100,6 +100,9 @@ class TrainState(NamedTuple):
         counts: Applied and skipped optimizer steps (`StepCounts`).
         accumulator: The gradient accumulator; `()` (no leaves, unlike None, which torch's pytree
             counts as a leaf) when every call is an optimizer step.
+        model_state: The model's state that is not trained, such as BatchNorm's running
+            statistics (flax's `batch_stats`): `()` for none, else a pytree of tensors that
+            the loss function takes after the params and returns updated (see `train_step`).
     """
 
     params: Any
@@ -107,10 +110,17 @@ class TrainState(NamedTuple):
     scaler: ScalerTree
     counts: StepCounts
     accumulator: GradientAccumulator | tuple[()]
+    model_state: Any = ()
 
     @classmethod
     def create(
-        cls, params: Any, optimizer: Optimizer, scaler: ScalerTree, *, accumulation_steps: int = 1
+        cls,
+        params: Any,
+        optimizer: Optimizer,
+        scaler: ScalerTree,
+        *,
+        accumulation_steps: int = 1,
+        model_state: Any = (),
     ) -> TrainState:
         """Builds the state for `params`: initialises the optimizer, puts everything on their device.
 
@@ -124,22 +134,44 @@ class TrainState(NamedTuple):
             accumulation_steps: Micro-batches per optimizer step: with more than 1, each call of
                 the step adds its gradients to float32 accumulators, and every
                 `accumulation_steps`-th call updates with their mean (see `GradientAccumulator`).
+            model_state: The model's untrained state, e.g. the buffers of `fmp.nn.split(model)`;
+                with it, the step calls `loss_fn(params, model_state, *args)`, which returns
+                `(out, new_model_state)`.
 
         Returns:
             The state.
 
         Raises:
-            TypeError, ValueError: If an argument has the wrong type or `accumulation_steps` < 1.
+            TypeError, ValueError: If an argument has the wrong type or `accumulation_steps` < 1,
+                or a leaf of `model_state` is not a tensor or is tracked by autograd.
         """
         check_optimizer(optimizer)
         check_scalers(scaler)
         check_param_leaves(params)
+        check_model_state(model_state)
         steps = check_int("accumulation_steps", accumulation_steps, 1, torch.iinfo(torch.int32).max)
         device = tree_accelerator_device(params)
         if device is not None:
             scaler = pytree.tree_map(lambda t: t.to(device), scaler)
         accumulator = GradientAccumulator.create(params, scaler, steps) if steps > 1 else ()
-        return cls(params, optimizer.init(params), scaler, StepCounts.zeros(device), accumulator)
+        return cls(params, optimizer.init(params), scaler, StepCounts.zeros(device), accumulator, model_state)
+
+
+def check_model_state(model_state: Any) -> None:
+    """Raises naming the leaf unless every leaf of `model_state` is a tensor that autograd does not track.
+
+    Raises:
+        TypeError: For a leaf that is not a tensor, or an `nn.Parameter` or tensor that requires grad.
+    """
+    for path, leaf in pytree.tree_flatten_with_path(model_state)[0]:
+        where = f"model_state{pytree.keystr(path)}"
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"{where} is a {type(leaf).__name__}; every leaf of model_state must be a tensor")
+        if leaf.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(leaf):
+            raise TypeError(
+                f"{where} requires grad: model state is not trained; pass it .detach()ed "
+                f"(fmp.nn.split(model) returns trainable params and buffers apart)"
+            )
 
 
 def check_optimizer(optimizer: Any) -> None:

@@ -23,6 +23,9 @@ from fmp._donation import copy_aliases
 from fmp._donation import donate_into
 from fmp._donation import select_into
 from fmp._donation import writes_in_place
+from fmp._model_state import has_model_state
+from fmp._model_state import returning_model_state
+from fmp._model_state import settle_model_state
 from fmp._struct import serializable_namedtuple
 from fmp.accumulate import GradientAccumulator
 from fmp.grad import Gradients
@@ -37,6 +40,7 @@ from fmp.optim.clip import global_norm
 from fmp.policy import Policy
 from fmp.state import StepCounts
 from fmp.state import TrainState
+from fmp.state import check_model_state
 from fmp.state import check_optimizer
 from fmp.tree import check_finite_flag
 from fmp.tree import select_tree
@@ -178,7 +182,12 @@ def train_step(
 
     Args:
         loss_fn: `loss_fn(params, *args) -> loss`, or `-> (loss, aux)` with `has_aux`; loss 0-dim,
-            or a tuple of 0-dim losses, one per scaler.
+            or a tuple of 0-dim losses, one per scaler. With model state in `state.model_state`
+            (`TrainState.create(..., model_state=buffers)`), `loss_fn(params, model_state,
+            *args) -> (out, new_model_state)`, `out` being what it would return otherwise: it
+            gets a copy of the model state to update (`fmp.nn.call` returns a module's updated
+            buffers) and the step returns what it gives back, on skipped steps too, as
+            BatchNorm's running statistics move under torch.amp.
         state: The training state, from `TrainState.create`.
         *args: Further arguments of `loss_fn` (with accumulation, one micro-batch).
         policy: The precision policy.
@@ -214,8 +223,17 @@ def train_step(
         raise TypeError(f"state.counts must be an fmp.StepCounts (TrainState.create makes one), got {got}")
     if donate:
         check_distinct(state, "state")  # before anything is written
-    params, opt_state, scaler = state.params, state.opt_state, state.scaler
-    gradients = mixed_precision_grad(loss_fn, params, scaler, *args, policy=policy, has_aux=has_aux)
+    params, opt_state, scaler, model_state = state.params, state.opt_state, state.scaler, state.model_state
+    if has_model_state(model_state):
+        check_model_state(model_state)
+        stateful = returning_model_state(loss_fn, has_aux)
+        gradients = mixed_precision_grad(stateful, params, scaler, model_state, *args, policy=policy, has_aux=True)
+        aux, new_model_state = gradients.aux
+        new_model_state = settle_model_state(new_model_state, model_state)
+        gradients = gradients._replace(aux=aux)
+    else:
+        gradients = mixed_precision_grad(loss_fn, params, scaler, *args, policy=policy, has_aux=has_aux)
+        new_model_state = model_state
     state.counts.check(gradients.grads_finite.device)  # where the params are (their first accelerator)
     if reduce_grads is not None:
         gradients = reduce_grads(gradients)
@@ -249,7 +267,8 @@ def train_step(
     else:
         new_params, new_opt_state = select_tree(applied, updated, (params, opt_state))
     counts = state.counts.advance(stepped, applied, _stalled(scaler, step_per_loss))
-    new_state = TrainState(new_params, new_opt_state, new_scaler, counts, accumulator)
+    # Model state moves on a skipped step too, as a module's buffers do under torch.amp.
+    new_state = TrainState(new_params, new_opt_state, new_scaler, counts, accumulator, new_model_state)
     loss_scale = _loss_scale(scaler, grads_finite.device)
     if donate:
         # The donated scalers' buffers receive the new scales.

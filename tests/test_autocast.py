@@ -486,19 +486,25 @@ def test_promote_ops_widen_like_torch_type_promotion(
     out = autocast(torch.addcmul, dtype)(x, y, z)
     # After the cast every eligible input is `widest`; float64 inputs then promote natively.
     assert out.dtype == (torch.float64 if torch.float64 in (a, b, c) else widest)
-    assert autocast(torch.cat, dtype, rules="cpu")([x, y, z]).dtype == torch.promote_types(
+    # fmp's own mode (a copy of the CPU rules) widens float16 meeting bfloat16 to float32, as type
+    # promotion does; torch.autocast("cpu") raises there, among the inputs or as the region's dtype.
+    assert autocast(torch.cat, dtype, rules=dict(CPU))([x, y, z]).dtype == torch.promote_types(
         torch.promote_types(x.dtype, y.dtype), z.dtype
     )
-    # Against torch.autocast("cpu") itself, which raises where float16 meets bfloat16, among the
-    # inputs or as the region's dtype (fmp widens both to float32 there, as type promotion does).
+    # rules="cpu" on CPU tensors runs on torch.autocast("cpu") itself: the same outcome, errors included.
     index = torch.tensor([0, 2, 1])
-    calls = [lambda: torch.cat([x, y, z]), lambda: torch.stack([x, y, z]), lambda: x.index_copy(0, index, y)]
+    calls: list[Callable[..., torch.Tensor]] = [
+        lambda x, y, z: torch.cat([x, y, z]),
+        lambda x, y, z: torch.stack([x, y, z]),
+        lambda x, y, z: x.index_copy(0, index, y),
+    ]
     for call in calls:
         with torch.autocast("cpu", dtype):
-            expected = _result(call)
+            expected = _result(functools.partial(call, x, y, z))
+        _assert_same_outcome(_result(functools.partial(autocast(call, dtype, rules="cpu"), x, y, z)), expected)
         if expected is RuntimeError and {torch.float16, torch.bfloat16} <= {a, b, c, dtype}:
             continue
-        _assert_same_outcome(_result(autocast(call, dtype, rules="cpu")), expected)
+        _assert_same_outcome(_result(functools.partial(autocast(call, dtype, rules=dict(CPU)), x, y, z)), expected)
 
 
 def _rnn(kind: type[nn.RNNBase], **kwargs: Any) -> Callable[[], Any]:
@@ -619,10 +625,15 @@ def test_cpu_rules_run_einsum_bit_for_bit_as_torch_autocast_cpu(
 
 def test_inside_an_enabled_torch_autocast_einsum_follows_the_outer_casts_as_matmul_does() -> None:
     a, b = torch.randn(3, 4), torch.randn(4, 5)
-    ops = autocast(lambda a, b: (a @ b, torch.einsum("ij,jk->ik", a, b)), torch.bfloat16, rules="cpu")
+    ops = autocast(lambda a, b: (a @ b, torch.einsum("ij,jk->ik", a, b)), torch.bfloat16, rules=dict(CPU))
     with torch.autocast("cpu", dtype=torch.float16):
         matmul, einsum = ops(a, b)
     assert einsum.dtype == matmul.dtype == torch.float16
+    # A native region (the CPU rules on CPU tensors) is a torch.autocast region: the innermost wins.
+    native = autocast(lambda a, b: (a @ b, torch.einsum("ij,jk->ik", a, b)), torch.bfloat16, rules="cpu")
+    with torch.autocast("cpu", dtype=torch.float16):
+        matmul, einsum = native(a, b)
+    assert einsum.dtype == matmul.dtype == torch.bfloat16
 
 
 def test_inside_a_torch_autocast_of_the_same_dtype_einsum_is_torch_autocasts_bit_for_bit() -> None:

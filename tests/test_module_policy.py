@@ -21,6 +21,7 @@ from fmp.autocast import _active_modes
 from fmp.autocast import autocast
 from fmp.autocast_regions import fixed_dtype
 from fmp.autocast_regions import no_autocast
+from fmp.autocast_rules import CPU
 from fmp.module_policy import module_policies
 
 BF16 = fmp.Policy(torch.float32, torch.bfloat16, torch.float32)
@@ -223,7 +224,8 @@ def test_module_policies_with_mixed_precision_grad_and_a_plain_module_call() -> 
 def test_module_policy_wins_over_autocast_and_nested_matches_cast_from_originals() -> None:
     model, params = _net()
     policies = {"blocks.*.norm": fmp.get_policy("f32"), "blocks.*": fmp.get_policy("c=bf16,o=f32")}
-    loss = autocast(module_policies(_loss(model), model, policies), torch.float16, rules="cpu")
+    # A copy of the CPU rules runs fmp's Python mode, whose casts the recorder sees as calls.
+    loss = autocast(module_policies(_loss(model), model, policies), torch.float16, rules=dict(CPU))
     with Recorder() as recorder:
         loss(params, torch.randn(4, 8))
     # CPU rules leave layer_norm uncast: the norm policy runs it in float32, on the original
@@ -236,6 +238,23 @@ def test_module_policy_wins_over_autocast_and_nested_matches_cast_from_originals
         assert torch.equal(bias, params[f"blocks.{i}.norm.bias"])
     # The blocks' linears run in their policy's bfloat16, the unmatched head under float16 autocast.
     assert recorder.dtypes("linear") == [[torch.bfloat16] * 3] * 2 + [[torch.float16] * 3]
+
+
+def test_module_policies_inside_a_native_region_run_their_own_dtypes() -> None:
+    # rules="cpu" on CPU tensors runs on torch.autocast itself; a module policy inside turns it off.
+    model, params = _net()
+    policies = {"blocks.*.norm": fmp.get_policy("f32"), "blocks.*": fmp.get_policy("c=bf16,o=f32")}
+    outputs: dict[str, torch.dtype] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            module.register_forward_hook(lambda m, i, o, name=name: outputs.__setitem__(name, o.dtype))
+    seen: list[bool] = []
+    model.blocks[0].mlp.register_forward_pre_hook(lambda m, i: seen.append(torch.is_autocast_enabled("cpu")))
+    model.head.register_forward_pre_hook(lambda m, i: seen.append(torch.is_autocast_enabled("cpu")))
+    autocast(module_policies(_loss(model), model, policies), torch.float16, rules="cpu")(params, torch.randn(4, 8))
+    # The blocks' linears return their policy's float32 output; the unmatched head runs under float16 autocast.
+    assert outputs == {"blocks.0.mlp": torch.float32, "blocks.1.mlp": torch.float32, "head": torch.float16}
+    assert seen == [False, True]
 
 
 def test_module_policies_under_vmap_of_grad() -> None:
