@@ -11,8 +11,9 @@ docs (no `setup_context`), which most third-party kernels use.
 So eager, with no `torch.func` transform around the call, `grad_and_aux` runs the loss function on
 detached copies of the params that require grad and calls `torch.autograd.grad`, as
 `loss.backward()` would. Compiled, or inside `vmap`/`grad`/`jvp`, it takes `torch.func.grad`
-(Dynamo traces it whole; a transform needs it); there a ctx-style Function fails inside torch
-with its own message, which `grad_and_aux` completes with the way out.
+(Dynamo traces it whole, ctx-style Functions included; a transform needs it); inside a transform
+a ctx-style Function fails in torch with its own message, which `grad_and_aux` completes with
+the way out.
 """
 
 from __future__ import annotations
@@ -138,8 +139,8 @@ def grad_and_aux(fn: Callable[..., tuple[torch.Tensor, Any]], params: Any, *args
         `(grads, aux)`: the gradients in the structure of `params`, and `fn`'s aux.
 
     Raises:
-        RuntimeError: Compiled or inside a torch.func transform, if the loss reaches an
-            `autograd.Function` without `setup_context`, naming what to do.
+        RuntimeError: Inside a torch.func transform, if the loss reaches an `autograd.Function`
+            without `setup_context`, naming what to do.
     """
     if not (torch.compiler.is_compiling() or _inside_transform() or _needs_transform(args)):
         return _with_autograd(fn, params, *args)
@@ -148,10 +149,9 @@ def grad_and_aux(fn: Callable[..., tuple[torch.Tensor, Any]], params: Any, *args
     except RuntimeError as error:
         if _SETUP_CONTEXT_ERROR not in str(error):
             raise
-        where = "compiled" if torch.compiler.is_compiling() else "inside a torch.func transform (vmap, grad, jvp)"
         raise RuntimeError(
             f"{error}\n(fmp: the loss reaches an autograd.Function written with ctx as forward's first argument, "
-            f"which torch.func cannot differentiate; the step runs such a Function eager and outside transforms, "
-            f"by plain autograd, but not {where}. Give the Function a setup_context staticmethod (torch's "
-            f"'Extending torch.func with autograd.Function' page) to compile or vmap it.)"
+            f"which torch.func transforms cannot differentiate. fmp's step runs such a Function eager and "
+            f"compiled, but not inside vmap, grad or jvp: give it a setup_context staticmethod (torch's "
+            f"'Extending torch.func with autograd.Function' page) to map an ensemble over it.)"
         ) from error

@@ -40,6 +40,7 @@ def returning_model_state(loss_fn: Callable[..., Any], has_aux: bool) -> Callabl
                 f"(out, new_model_state), out being the loss (or (loss, aux) with has_aux); got {got}"
             )
         out, new_model_state = returned
+        _check_like(new_model_state, model_state)
         if has_aux:
             if not (isinstance(out, tuple) and len(out) == 2):
                 raise TypeError(f"with has_aux=True, loss_fn's out must be (loss, aux), got {type(out).__name__}")
@@ -51,28 +52,27 @@ def returning_model_state(loss_fn: Callable[..., Any], has_aux: bool) -> Callabl
     return with_state
 
 
-def settle_model_state(new_model_state: Any, model_state: Any) -> Any:
-    """The model state a step returns: `new_model_state` checked against the state's and in its dtypes.
-
-    A policy that casts whole (rules None) hands the loss function the model state in the compute
-    dtype; what comes back is stored in the dtypes the state keeps.
-
-    Raises:
-        TypeError, ValueError: Naming the first leaf whose structure or shape differs.
-    """
+def _check_like(new_model_state: Any, model_state: Any) -> None:
+    """Raises naming the first leaf of `new_model_state` whose structure, type or shape differs from `model_state`'s."""
     new_leaves, new_spec = pytree.tree_flatten(new_model_state)
-    leaves, spec = pytree.tree_flatten(model_state)
-    if new_spec != spec:
+    leaves, _ = pytree.tree_flatten_with_path(model_state)
+    if new_spec != pytree.tree_structure(model_state):
         raise TypeError(
-            f"loss_fn's new_model_state must have the structure of state.model_state: expected {spec}, got {new_spec}"
+            f"loss_fn's new_model_state must have the structure of state.model_state: "
+            f"expected {pytree.tree_structure(model_state)}, got {new_spec}"
         )
-    paths = [path for path, _ in pytree.tree_flatten_with_path(model_state)[0]]
-    settled = []
-    for path, new, old in zip(paths, new_leaves, leaves, strict=True):
+    for (path, old), new in zip(leaves, new_leaves, strict=True):
         where = f"new_model_state{pytree.keystr(path)}"
         if not isinstance(new, torch.Tensor):
             raise TypeError(f"{where} is a {type(new).__name__}, where state.model_state holds a tensor")
         if new.shape != old.shape:
             raise ValueError(f"{where} has shape {tuple(new.shape)}, where state.model_state's is {tuple(old.shape)}")
-        settled.append(new.to(old.dtype))
-    return pytree.tree_unflatten(settled, spec)
+
+
+def settle_model_state(new_model_state: Any, model_state: Any) -> Any:
+    """The model state a step returns: `new_model_state` (checked by the loss function's wrapper) in the state's dtypes.
+
+    A policy that casts whole (rules None) hands the loss function the model state in the compute
+    dtype; what comes back is stored in the dtypes the state keeps.
+    """
+    return pytree.tree_map(lambda new, old: new.to(old.dtype), new_model_state, model_state)

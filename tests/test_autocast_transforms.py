@@ -12,6 +12,7 @@ from conftest import TOLERANCES
 from torch import nn
 
 from fmp.autocast import autocast
+from fmp.autocast_rules import CPU
 
 LOW = [torch.bfloat16, torch.float16]
 
@@ -89,3 +90,27 @@ def test_compiled_fullgraph_grad_compiles_once() -> None:
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(seed))
         pytree.tree_map(torch.testing.assert_close, step(params, x), eager(params, x))
     assert backend.frame_count == 1
+
+
+def _pooling(x: torch.Tensor) -> torch.Tensor:
+    y = F.conv2d(x, torch.ones(4, 3, 3, 3) / 27)
+    pooled = [
+        F.max_pool2d(y, 2),
+        F.max_pool2d(y, 2, return_indices=True)[0],
+        F.max_pool1d(y.flatten(2), 2),
+        F.adaptive_max_pool2d(y, (1, None)),
+        F.adaptive_avg_pool2d(y, 1),
+        F.max_unpool2d(*F.max_pool2d(y, 2, return_indices=True), 2),
+        nn.MaxPool3d(2)(y.unsqueeze(0)),
+    ]
+    return torch.stack([p.float().sum() for p in pooled])
+
+
+@pytest.mark.compiled
+@pytest.mark.parametrize("rules", ["cuda", "cpu"])
+def test_pooling_compiles_whole_in_the_mode(rules: str) -> None:
+    # max_pool2d and kin are boolean_dispatch composites and adaptive pooling calls
+    # `_list_with_default`: both once ended the graph under the mode.
+    fn = autocast(_pooling, torch.bfloat16, rules=dict(CPU) if rules == "cpu" else rules)  # a copy: the mode
+    x = torch.randn(2, 3, 10, 10)
+    torch.testing.assert_close(torch.compile(fn, fullgraph=True)(x), fn(x), **TOLERANCES[torch.bfloat16])
