@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 from collections.abc import Mapping
 from types import FunctionType
+from types import MappingProxyType
 from typing import Any
 from typing import ParamSpec
 from typing import TypeVar
@@ -398,7 +399,12 @@ def autocast(
         RuntimeError: From the returned function, for `binary_cross_entropy` under float16.
     """
     check_callable("autocast's fn", fn)
-    table = resolve_rules(rules, dtype, overrides)
+    # The step wraps its loss function anew each call: a named rule set's table is built once.
+    table = (
+        _named_table(rules, dtype)
+        if isinstance(rules, str) and not overrides
+        else resolve_rules(rules, dtype, overrides)
+    )
     native = None if overrides else _native_device_type(rules)
 
     @functools.wraps(fn)
@@ -408,6 +414,11 @@ def autocast(
         return AutocastMode(table).run(fn, *args, **kwargs)
 
     return autocast_fn
+
+
+@functools.cache
+def _named_table(rules: str, dtype: torch.dtype) -> Mapping[str, Target | None]:
+    return MappingProxyType(resolve_rules(rules, dtype))
 
 
 def _native_device_type(rules: str | RuleSet) -> str | None:

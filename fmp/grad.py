@@ -22,11 +22,12 @@ from fmp._backward import grad_and_aux
 from fmp._checks import check_bool
 from fmp._checks import check_callable
 from fmp._struct import serializable_namedtuple
+from fmp._unscale import owned_all_finite
+from fmp._unscale import unscale_and_check
 from fmp.autocast import autocast
 from fmp.loss_scale import LossScale
 from fmp.loss_scale import check_scaler
 from fmp.policy import Policy
-from fmp.tree import all_finite
 from fmp.tree import check_no_opaque_leaves
 from fmp.tree import check_on_device
 from fmp.tree import tree_accelerator_device
@@ -331,22 +332,22 @@ def mixed_precision_grad(
     if not isinstance(scaler, tuple):
         scaled_grads, (loss, aux) = grad_of_loss(0)
         check_reads_no_module_parameters(loss, args)
-        grads = scaler.unscale(scaled_grads)
-        grads_finite = all_finite(grads)
+        grads, grads_finite = unscale_and_check(scaler, scaled_grads)
         return Gradients(grads, grads_finite, loss, aux, grads_finite)
     # One forward and backward pass per loss. A shared forward with one vjp per loss would send a
     # zero cotangent through the other losses' backward, where a non-finite local derivative
     # (0 * inf = NaN) would poison this loss's gradients and back its scale off for another's overflow.
-    per_loss = []
+    per_loss, parts_finite = [], []
     for index, s in enumerate(scalers):
         scaled_grads, (loss, aux) = grad_of_loss(index)
-        per_loss.append(s.unscale(scaled_grads))
+        unscaled, finite = unscale_and_check(s, scaled_grads)
+        per_loss.append(unscaled)
+        parts_finite.append(finite)
     check_reads_no_module_parameters(loss, args)
     grads = _tree_sum(per_loss)
     # The sum is non-finite whenever a part is, and also when finite parts overflow on adding;
     # then no loss is to blame alone and every scale backs off.
-    grads_finite = all_finite(grads)
-    parts_finite = [all_finite(g) for g in per_loss]
+    grads_finite = owned_all_finite(grads)
     sum_overflowed = torch.stack(parts_finite).all() & ~grads_finite
     finite_per_loss = tuple(finite & ~sum_overflowed for finite in parts_finite)
     return Gradients(grads, grads_finite, loss, aux, finite_per_loss)

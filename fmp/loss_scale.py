@@ -30,7 +30,15 @@ from fmp._struct import static_field
 from fmp.tree import check_finite_flag
 from fmp.tree import is_inexact_tensor
 
-__all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale", "check_scaler", "unscale_in_place"]
+__all__ = [
+    "DynamicLossScale",
+    "LossScale",
+    "NoOpLossScale",
+    "StaticLossScale",
+    "check_scaler",
+    "inverse_scale",
+    "unscale_in_place",
+]
 
 Tree = TypeVar("Tree")
 
@@ -81,10 +89,11 @@ class _TensorScale:
 
     def unscale(self, tree: Tree) -> Tree:
         """Multiplies floating leaves by 1/scale, keeping each leaf's dtype."""
-        return _multiply_leaves(tree, _inverse(self.loss_scale), keep_dtype=True)
+        return _multiply_leaves(tree, inverse_scale(self.loss_scale), keep_dtype=True)
 
 
-def _inverse(loss_scale: torch.Tensor) -> torch.Tensor:
+def inverse_scale(loss_scale: torch.Tensor) -> torch.Tensor:
+    """1/scale as GradScaler forms it: in double precision, rounded once to float32."""
     # GradScaler forms 1/scale in double and rounds once to float32; doing the same keeps unscaled
     # gradients bit-identical to torch's.
     return loss_scale.double().reciprocal().float()
@@ -98,7 +107,7 @@ def unscale_in_place(scaler: LossScale, tree: Tree) -> Tree:
     """
     if isinstance(scaler, NoOpLossScale):
         return tree
-    return _multiply_leaves(tree, _inverse(scaler.loss_scale), keep_dtype=True, in_place=True)
+    return _multiply_leaves(tree, inverse_scale(scaler.loss_scale), keep_dtype=True, in_place=True)
 
 
 @pytree_dataclass

@@ -163,6 +163,10 @@ def check_model_state(model_state: Any) -> None:
     Raises:
         TypeError: For a leaf that is not a tensor, or an `nn.Parameter` or tensor that requires grad.
     """
+    leaves = pytree.tree_leaves(model_state)
+    if all(type(x) is torch.Tensor and not x.requires_grad for x in leaves):
+        return
+    # Key paths only for the message: flattening with them costs several times a plain flatten.
     for path, leaf in pytree.tree_flatten_with_path(model_state)[0]:
         where = f"model_state{pytree.keystr(path)}"
         if not isinstance(leaf, torch.Tensor):

@@ -279,23 +279,28 @@ def selectable_pairs(pred: torch.Tensor, on_true: Any, on_false: Any) -> tuple[p
         ValueError: As `select_tree`.
     """
     check_finite_flag(pred, name="pred")
-    true_pairs, true_spec = pytree.tree_flatten_with_path(on_true)
+    true_leaves, true_spec = pytree.tree_flatten(on_true)
     false_leaves, false_spec = pytree.tree_flatten(on_false)
     if true_spec != false_spec:
         raise ValueError(f"select_tree needs two trees of one structure, got {true_spec} and {false_spec}")
-    for (path, a), b in zip(true_pairs, false_leaves, strict=True):
-        where = pytree.keystr(path)
-        if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
-            raise ValueError(f"select_tree: leaf {where} is a tensor on one side only")
-        if not isinstance(a, torch.Tensor):
-            if not same_static_leaf(a, b):
-                raise ValueError(f"select_tree: non-tensor leaf {where} differs: {a!r} vs {b!r}")
-        elif a.shape != b.shape or a.dtype != b.dtype:
-            raise ValueError(
-                f"select_tree: leaf {where} is {a.dtype}{list(a.shape)} on one side "
-                f"and {b.dtype}{list(b.shape)} on the other"
-            )
-    return true_spec, [(a, b) for (_, a), b in zip(true_pairs, false_leaves, strict=True)]
+    for index, (a, b) in enumerate(zip(true_leaves, false_leaves, strict=True)):
+        problem = _selection_problem(a, b)
+        if problem is not None:
+            # Key paths only for the message: flattening with them costs several times a plain flatten.
+            where = pytree.keystr(pytree.tree_flatten_with_path(on_true)[0][index][0])
+            raise ValueError(f"select_tree: {problem.replace('{where}', where, 1)}")
+    return true_spec, list(zip(true_leaves, false_leaves, strict=True))
+
+
+def _selection_problem(a: Any, b: Any) -> str | None:
+    """Why leaves `a` and `b` cannot be selected between (a template with `{where}`), or None."""
+    if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+        return "leaf {where} is a tensor on one side only"
+    if not isinstance(a, torch.Tensor):
+        return None if same_static_leaf(a, b) else f"non-tensor leaf {{where}} differs: {a!r} vs {b!r}"
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"leaf {{where}} is {a.dtype}{list(a.shape)} on one side and {b.dtype}{list(b.shape)} on the other"
+    return None
 
 
 def stack_trees(trees: list[Tree]) -> Tree:
