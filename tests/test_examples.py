@@ -122,3 +122,20 @@ def test_readme_gradient_buffer_loop_runs_and_skips_the_overflow() -> None:
         [*PYTHON, "-c", setup + loop + check], capture_output=True, text=True, check=True, timeout=300
     )
     assert result.stdout.split() == [str(2.0**15), "True", "True"]  # one back-off; the params trained and stayed finite
+
+
+def test_readme_real_models_section_runs_after_the_quickstart() -> None:
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    quickstart = readme.split("## Quickstart", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    real_models = readme.split("## Real models", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    # The quickstart's step compiles: run its loop eager here, the section's own steps are eager.
+    quickstart = quickstart.replace("step = torch.compile(", "step = (").replace(", fullgraph=True)", ")")
+    check = "print(int(cnn_state.counts.applied), int(cnn[1].num_batches_tracked))"
+    result = subprocess.run(
+        [*PYTHON, "-c", "\n".join([quickstart, real_models, check])],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    assert result.stdout.split()[-2:] == ["3", "3"]
