@@ -354,6 +354,15 @@ class AutocastMode(TorchFunctionMode):
         return self.__torch_function__(func, types, (self.__torch_function__(torch.linalg.inv, types, (matrix,)), -n))
 
 
+# The step wraps its loss function anew each call: the named rule sets' tables are built once, and
+# a plain dict is what Dynamo reads without a warning (it refuses to trust functools' caches).
+_NAMED_TABLES: Mapping[tuple[str, torch.dtype], Mapping[str, Target | None]] = {
+    (name, dtype): MappingProxyType(resolve_rules(name, dtype))
+    for name in RULE_SETS
+    for dtype in (torch.float16, torch.bfloat16)
+}
+
+
 def autocast(
     fn: Callable[P, R],
     dtype: torch.dtype,
@@ -399,12 +408,8 @@ def autocast(
         RuntimeError: From the returned function, for `binary_cross_entropy` under float16.
     """
     check_callable("autocast's fn", fn)
-    # The step wraps its loss function anew each call: a named rule set's table is built once.
-    table = (
-        _named_table(rules, dtype)
-        if isinstance(rules, str) and not overrides
-        else resolve_rules(rules, dtype, overrides)
-    )
+    named = _NAMED_TABLES.get((rules, dtype)) if isinstance(rules, str) and not overrides else None
+    table = named if named is not None else resolve_rules(rules, dtype, overrides)
     native = None if overrides else _native_device_type(rules)
 
     @functools.wraps(fn)
@@ -414,11 +419,6 @@ def autocast(
         return AutocastMode(table).run(fn, *args, **kwargs)
 
     return autocast_fn
-
-
-@functools.cache
-def _named_table(rules: str, dtype: torch.dtype) -> Mapping[str, Target | None]:
-    return MappingProxyType(resolve_rules(rules, dtype))
 
 
 def _native_device_type(rules: str | RuleSet) -> str | None:
