@@ -23,7 +23,6 @@ import threading
 from collections.abc import Callable
 from collections.abc import Mapping
 from types import FunctionType
-from types import MappingProxyType
 from typing import Any
 from typing import ParamSpec
 from typing import TypeVar
@@ -354,12 +353,11 @@ class AutocastMode(TorchFunctionMode):
         return self.__torch_function__(func, types, (self.__torch_function__(torch.linalg.inv, types, (matrix,)), -n))
 
 
-# The step wraps its loss function anew each call: the named rule sets' tables are built once, and
-# a plain dict is what Dynamo reads without a warning (it refuses to trust functools' caches).
-_NAMED_TABLES: Mapping[tuple[str, torch.dtype], Mapping[str, Target | None]] = {
-    (name, dtype): MappingProxyType(resolve_rules(name, dtype))
-    for name in RULE_SETS
-    for dtype in (torch.float16, torch.bfloat16)
+# The step wraps its loss function anew each call: the named rule sets' tables are built once, in
+# plain dicts, which Dynamo reads as constants (it warns on functools' caches, and a MappingProxyType
+# breaks the graph once the traced code has mutated any dict, as functional_call does).
+_NAMED_TABLES: dict[tuple[str, torch.dtype], dict[str, Target | None]] = {
+    (name, dtype): resolve_rules(name, dtype) for name in RULE_SETS for dtype in (torch.float16, torch.bfloat16)
 }
 
 

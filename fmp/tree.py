@@ -157,6 +157,10 @@ def cast_floating(tree: Tree, dtype: torch.dtype) -> Tree:
 _ROW_LENGTH = 1024
 
 
+def _values(x: torch.Tensor) -> torch.Tensor:
+    return (x.coalesce() if x.dtype == torch.float16 else x)._values()
+
+
 def _finite_whole(x: torch.Tensor) -> torch.Tensor:
     # min and max propagate NaN, and are finite only if every element is: one read of the leaf, no
     # temporary (isfinite(x).all() writes a bool copy first, ~20x slower in eager CPU).
@@ -209,7 +213,10 @@ def all_finite(tree: Any) -> torch.Tensor:
     """
     all_leaves = pytree.tree_leaves(tree)
     check_no_opaque_leaves(all_leaves, tree, "all_finite: tree")
-    leaves = [x for x in all_leaves if is_inexact_tensor(x) and x.numel() > 0]
+    # A sparse COO gradient (nn.Embedding(sparse=True)) by its stored values, coalesced in float16
+    # first as GradScaler does, where summing duplicates can overflow.
+    leaves = [_values(x) if x.layout == torch.sparse_coo else x for x in all_leaves if is_inexact_tensor(x)]
+    leaves = [x for x in leaves if x.numel() > 0]
     if not leaves:
         return torch.ones((), dtype=torch.bool)
     # A complex leaf's real and imaginary parts side by side in its last dimension, so a 1-D leaf

@@ -327,3 +327,26 @@ def test_params_an_optimizer_cannot_update_are_named(
         optimizer.update(params, optimizer.init({"w": torch.ones(3)}), params)
     with pytest.raises(TypeError, match=message):  # and at init, where the optimizer keeps state
         fmp.optim.adam().init(params)
+
+
+def _sparse_rows(rows: list[int], values: torch.Tensor) -> torch.Tensor:
+    """A (10, 4) sparse COO gradient, as nn.Embedding(sparse=True) makes, with these rows (duplicates kept)."""
+    return torch.sparse_coo_tensor(torch.tensor([rows]), values, (10, 4), check_invariants=True)
+
+
+def test_adam_names_a_sparse_gradient_and_the_way_out() -> None:
+    params = {"embed": torch.randn(10, 4)}
+    grads = {"embed": _sparse_rows([1, 3], torch.ones(2, 4))}
+    optimizer = fmp.optim.adamw(1e-3)
+    with pytest.raises(TypeError, match=r"adamw does not take sparse gradients.*grads\['embed'\] is torch.sparse_coo"):
+        optimizer.update(grads, optimizer.init(params), params)
+
+
+def test_all_finite_reads_sparse_gradients_by_their_values() -> None:
+    rows = [1, 3, 3]
+    nan_row = torch.tensor([[1.0] * 4, [float("nan")] * 4, [1.0] * 4])
+    for dtype in (torch.float32, torch.float16):
+        assert bool(fmp.all_finite({"embed": _sparse_rows(rows, torch.ones(3, 4, dtype=dtype))}))
+        assert not bool(fmp.all_finite({"embed": _sparse_rows(rows, nan_row.to(dtype))}))
+    # Duplicates that overflow float16 only once summed, as GradScaler coalesces them.
+    assert not bool(fmp.all_finite({"embed": _sparse_rows(rows, torch.full((3, 4), 40000.0, dtype=torch.float16))}))

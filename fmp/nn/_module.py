@@ -88,7 +88,14 @@ def call(
     shared = params.keys() & buffers.keys()
     if shared:
         raise TypeError(f"fmp.nn.call: {sorted(shared)[0]!r} is both in params and in buffers")
-    output = torch.func.functional_call(module, (params, buffers), args, kwargs, tie_weights=True, strict=False)
+    try:
+        output = torch.func.functional_call(module, (params, buffers), args, kwargs, tie_weights=True, strict=False)
+    finally:
+        # An RNN caches its weights in `_flat_weights`, which the call left on the tensors it was
+        # given: compiled, the next trace would read the last step's (a transform's wrappers).
+        for submodule in module.modules():
+            if isinstance(submodule, nn.RNNBase):
+                submodule._init_flat_weights()
     return output, buffers
 
 

@@ -72,6 +72,17 @@ def _check_eps_in_param_dtypes(name: str, eps: float, params: Any, leaves: list[
             )
 
 
+def _check_dense(name: str, grads: Any, grad_leaves: list[Any]) -> None:
+    """Raises naming the first sparse gradient: Adam's moments are dense, as torch.optim.Adam's refusal says."""
+    for index, grad in enumerate(grad_leaves):
+        if isinstance(grad, torch.Tensor) and grad.layout != torch.strided:
+            path = pytree.keystr(pytree.tree_flatten_with_path(grads)[0][index][0])
+            raise TypeError(
+                f"{name} does not take sparse gradients, as torch.optim's Adam and AdamW do not: grads{path} is "
+                f"{grad.layout}. Train sparse embeddings with fmp.optim.sgd, or pass sparse=False to nn.Embedding"
+            )
+
+
 def _takes_foreach(*leaf_lists: list[Any]) -> bool:
     """Whether every leaf is a dense float32 tensor on one device, as torch's foreach kernels take them."""
     device = leaf_lists[0][0].device if leaf_lists[0] else None
@@ -112,6 +123,7 @@ def _adam(
         spec, param_leaves, leaves, specs = leaves_like_params(name, params, trees)
         _check_eps_in_param_dtypes(name, eps, params, param_leaves)
         grad_leaves, exp_avg_leaves, exp_avg_sq_leaves = leaves
+        _check_dense(name, grads, grad_leaves)
         # A schedule sees the applied steps before this one; a float lr passes through as is. A
         # scheduled lr is taken in double precision, as torch takes a Python float lr.
         lr_now = scheduled_lr(lr, state.step)
