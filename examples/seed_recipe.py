@@ -116,7 +116,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=10)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--lr", type=float, default=0.001)
-    parser.add_argument("--policy", default="params=float32,compute=bfloat16,output=float32")
+    # torch.autocast("cpu")'s own rules, as the torch.amp run has them: fmp runs on torch.autocast itself.
+    parser.add_argument("--policy", default="params=float32,compute=bfloat16,output=float32,rules=cpu")
     parser.add_argument(
         "--compile",
         action="store_true",
