@@ -62,12 +62,17 @@ def writes_in_place(*trees: Any) -> bool:
     # Inside a forward-mode AD level any tensor may carry a tangent, which out= forms refuse.
     if torch.compiler.is_compiling() or torch._C._functorch.get_interpreter_stack() or _forward_ad_active():
         return False
-    tensors = [x for x in pytree.tree_leaves(trees) if isinstance(x, torch.Tensor)]
-    if any(type(x) not in (torch.Tensor, torch.nn.Parameter) for x in tensors):
-        return False
-    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
-        return False
-    return torch.is_inference_mode_enabled() or not any(x.is_inference() for x in tensors)
+    # One pass, as cheap per tensor as it can be: an eager step asks this of every leaf of its state.
+    recording, inference_mode = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    for x in pytree.tree_leaves(trees):
+        kind = type(x)
+        if kind is not torch.Tensor and kind is not torch.nn.Parameter:
+            if isinstance(x, torch.Tensor):
+                return False
+            continue
+        if (recording and x.requires_grad) or (not inference_mode and x.is_inference()):
+            return False
+    return True
 
 
 def _forward_ad_active() -> bool:

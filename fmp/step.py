@@ -266,8 +266,7 @@ def train_step(
     if writes_eagerly:
         new_params, new_opt_state = select_into(applied, updated, (params, opt_state))
     elif not donate and writes_in_place(updated, (params, opt_state), grads):
-        inputs = (params, opt_state, grads, loss, aux, state)
-        new_params, new_opt_state = select_into_update(applied, updated, (params, opt_state), inputs)
+        new_params, new_opt_state = select_into_update(applied, updated, (params, opt_state), (state, grads))
     else:
         new_params, new_opt_state = select_tree(applied, updated, (params, opt_state))
     counts = state.counts.advance(stepped, applied, _stalled(scaler, step_per_loss))
