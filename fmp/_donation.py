@@ -142,42 +142,6 @@ def select_into(pred: torch.Tensor, on_true: Tree, donated: Tree) -> Tree:
     return cast(Tree, pytree.tree_unflatten(written, spec))
 
 
-def select_into_update(pred: torch.Tensor, on_true: Tree, on_false: Tree, inputs: Any) -> Tree:
-    """`fmp.select_tree(pred, on_true, on_false)`, written into `on_true`'s tensors where the call made them.
-
-    For eager calls where `writes_in_place` holds: an optimizer's update is new tensors the step
-    alone holds, so the selection can land in them and the pure step allocates one tensor per leaf
-    fewer. A tensor of `on_true` that shares storage with `inputs` (an update that hands a param or
-    a gradient back as it is), with another of its tensors, or that is not `writable`, gets a new
-    tensor, as `select_tree` gives.
-
-    Args:
-        pred: A 0-dim bool tensor.
-        on_true: The new values (the optimizer's update).
-        on_false: The values kept where `pred` does not hold.
-        inputs: Every tree the call was given (params, optimizer state, gradients).
-
-    Returns:
-        As `select_tree`, bit for bit.
-
-    Raises:
-        ValueError: As `select_tree`.
-    """
-    spec, pairs = selectable_pairs(pred, on_true, on_false)
-    held = {_storage(x) for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and _plain(x)}
-    seen: set[int] = set()
-
-    def select(a: Any, b: Any) -> Any:
-        if not isinstance(a, torch.Tensor):
-            return a
-        own = _plain(a) and writable(a) and _storage(a) not in held and _storage(a) not in seen
-        if _plain(a):
-            seen.add(_storage(a))
-        return torch.where(pred, a, b, out=a if own else None)
-
-    return cast(Tree, pytree.tree_unflatten([select(a, b) for a, b in pairs], spec))
-
-
 def copy_aliases(tree: Tree, donated: Any) -> Tree:
     """`tree` with a copy of each tensor that may share memory with a donated one.
 

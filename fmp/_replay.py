@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from fmp.autocast import AutocastMode
+from fmp.autocast import NativeRegion
 from fmp.autocast import _active_modes
 from fmp.module_policy import patched_again
 from fmp.module_policy import patched_modules
@@ -49,8 +50,9 @@ class Ambient:
         devices = set(devices)
         region = _active_modes()[-1] if _active_modes() else None
         # Inside a torch.autocast region entered within the fmp one, torch's state governs (replayed below).
-        # A native region is torch.autocast's own state, replayed below too.
-        self.region = region if isinstance(region, AutocastMode) and not region.inside_torch_autocast() else None
+        # Inside a torch.autocast region entered within the fmp one, torch's state governs (replayed below).
+        own = isinstance(region, AutocastMode | NativeRegion) and not region.inside_torch_autocast()
+        self.region = region if own else None
         kinds = sorted({d.type for d in devices} | {"cpu"})
         self.autocast = [
             (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))

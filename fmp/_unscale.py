@@ -32,7 +32,7 @@ def _takes_foreach(leaves: list[Any], device: torch.device) -> bool:
     return all(
         type(x) is torch.Tensor
         and x.dtype == torch.float32
-        and x.layout == torch.strided
+        and x.is_contiguous()
         and x.device == device
         and not x.requires_grad
         for x in leaves

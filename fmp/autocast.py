@@ -151,6 +151,7 @@ class NativeRegion:
     def __init__(self, device_type: str, dtype: torch.dtype) -> None:
         self.device_type = device_type
         self.dtype = dtype
+        self._torch_nesting: int | None = None  # torch.autocast regions, its own included, while it runs
 
     def run(self, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
         """Calls `fn(*args, **kwargs)` inside `torch.autocast`, as the innermost fmp region.
@@ -165,11 +166,18 @@ class NativeRegion:
         """
         stack = _active_modes()
         stack.append(self)
+        outer_nesting = self._torch_nesting
         try:
             with torch.autocast(self.device_type, dtype=self.dtype):
+                self._torch_nesting = _torch_autocast_nesting()
                 return fn(*args, **kwargs)
         finally:
+            self._torch_nesting = outer_nesting
             stack.pop()
+
+    def inside_torch_autocast(self) -> bool:
+        """Whether the present call comes from inside a `torch.autocast` region entered within this one's `run`."""
+        return self._torch_nesting is not None and _torch_autocast_nesting() > self._torch_nesting
 
 
 class _Local(threading.local):

@@ -347,7 +347,8 @@ def mixed_precision_grad(
     grads = _tree_sum(per_loss)
     # The sum is non-finite whenever a part is, and also when finite parts overflow on adding;
     # then no loss is to blame alone and every scale backs off.
-    grads_finite = owned_all_finite(grads)
+    # With one loss the sum is that loss's gradients; with several, new tensors of the step's own.
+    grads_finite = owned_all_finite(grads) if len(per_loss) > 1 else parts_finite[0]
     sum_overflowed = torch.stack(parts_finite).all() & ~grads_finite
     finite_per_loss = tuple(finite & ~sum_overflowed for finite in parts_finite)
     return Gradients(grads, grads_finite, loss, aux, finite_per_loss)

@@ -22,7 +22,6 @@ from fmp._donation import check_distinct
 from fmp._donation import copy_aliases
 from fmp._donation import donate_into
 from fmp._donation import select_into
-from fmp._donation import select_into_update
 from fmp._donation import writes_in_place
 from fmp._model_state import has_model_state
 from fmp._model_state import returning_model_state
@@ -265,8 +264,6 @@ def train_step(
         loss, aux = copy_aliases((loss, aux), state)
     if writes_eagerly:
         new_params, new_opt_state = select_into(applied, updated, (params, opt_state))
-    elif not donate and writes_in_place(updated, (params, opt_state), grads):
-        new_params, new_opt_state = select_into_update(applied, updated, (params, opt_state), (state, grads))
     else:
         new_params, new_opt_state = select_tree(applied, updated, (params, opt_state))
     counts = state.counts.advance(stepped, applied, _stalled(scaler, step_per_loss))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -197,3 +198,33 @@ def test_under_vmap_a_ctx_style_function_is_refused_with_the_way_out() -> None:
     params, scaler = {"w": torch.randn(3, 3)}, fmp.DynamicLossScale.create()
     with pytest.raises(RuntimeError, match=r"(?s)setup_context staticmethod.*fmp's step runs such a Function eager"):
         torch.func.vmap(_docs_function_grad, in_dims=(None, None, 0))(params, scaler, torch.randn(2, 2, 3))
+
+
+def test_remat_inside_a_native_region_recomputes_an_inner_region_as_it_ran() -> None:
+    seen: list[tuple[torch.dtype, bool]] = []
+
+    def inner(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = x @ w
+        seen.append((y.dtype, torch.is_autocast_enabled("cpu")))
+        return y
+
+    def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return autocast(inner, torch.float16)(x, w).float().sin()
+
+    def loss(w1: torch.Tensor, w2: torch.Tensor, x: torch.Tensor, rematerialize: bool) -> torch.Tensor:
+        h = (fmp.remat(block) if rematerialize else block)(x, w1)
+        return (h @ w2).float().square().sum()
+
+    gen = torch.Generator().manual_seed(0)
+    w1, w2, x = (torch.randn(shape, generator=gen) for shape in ((8, 8), (8, 8), (4, 8)))
+    grads = []
+    for rematerialize in (False, True):
+        seen.clear()
+        grads.append(
+            torch.func.grad(
+                autocast(functools.partial(loss, rematerialize=rematerialize), torch.bfloat16, rules="cpu")
+            )(w1, w2, x)
+        )
+        # The recompute runs the inner region as the forward did: float16, torch.autocast off.
+        assert seen == [(torch.float16, False)] * (1 + rematerialize)
+    assert torch.equal(grads[0], grads[1])

@@ -587,3 +587,28 @@ def test_a_model_passed_to_loss_fn_as_an_argument_passes_through(policy: str) ->
     state = fmp.TrainState.create(params, optimizer, fmp.NoOpLossScale())
     _, info = fmp.train_step(loss_fn, state, model, *batch(), policy=fmp.get_policy(policy), optimizer=optimizer)
     assert bool(info.applied)
+
+
+def test_a_skipped_pure_step_writes_into_nothing_an_optimizer_hands_back() -> None:
+    # An optimizer (a user's, or an optax-style transformation) may return a tensor it keeps.
+    kept = torch.zeros(3)
+    optimizer = fmp.optim.Optimizer(lambda p: {"c": torch.ones(3)}, lambda g, s, p: (p, {"c": kept}))
+    state = fmp.TrainState.create({"a": torch.ones(3)}, optimizer, fmp.DynamicLossScale.create())
+    _, info = fmp.train_step(lambda p: p["a"].sum() * float("inf"), state, policy=fmp.Policy(), optimizer=optimizer)
+    assert not bool(info.applied) and torch.equal(kept, torch.zeros(3))
+
+
+@pytest.mark.parametrize("optimizer", [fmp.optim.adam(0.1), fmp.optim.adamw(0.1), fmp.optim.sgd(0.1)])
+def test_a_state_without_params_steps(optimizer: fmp.optim.Optimizer) -> None:
+    state = fmp.TrainState.create({}, optimizer, fmp.DynamicLossScale.create())
+    new, info = fmp.train_step(lambda p, x: x.sum(), state, torch.ones(2), policy=fmp.Policy(), optimizer=optimizer)
+    assert bool(info.applied) and new.params == {}
+
+
+def test_one_noop_scaler_in_a_tuple_takes_expanded_gradients() -> None:
+    # autograd hands a sum's gradient back expanded, one element for all: nothing may write into it.
+    state = fmp.TrainState.create({"a": torch.ones(4), "b": torch.ones(4)}, fmp.optim.sgd(0.1), (fmp.NoOpLossScale(),))
+    new, info = fmp.train_step(
+        lambda p: ((p["a"] + p["b"]).sum(),), state, policy=fmp.Policy(), optimizer=fmp.optim.sgd(0.1)
+    )
+    assert bool(info.applied) and torch.equal(new.params["a"], torch.full((4,), 0.9))

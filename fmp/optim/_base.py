@@ -45,8 +45,6 @@ class Optimizer(NamedTuple):
     Attributes:
         init: `init(params) -> state`, a pytree of tensors (empty for stateless optimizers).
         update: `update(grads, state, params) -> (new_params, new_state)`; never mutates its inputs.
-            Its results are new tensors or its inputs handed back: an eager step writes the
-            selection between them and the old values into the new ones, which nothing else holds.
     """
 
     init: Callable[[Any], Any]

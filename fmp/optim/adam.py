@@ -85,7 +85,9 @@ def _check_dense(name: str, grads: Any, grad_leaves: list[Any]) -> None:
 
 def _takes_foreach(*leaf_lists: list[Any]) -> bool:
     """Whether every leaf is a dense float32 tensor on one device, as torch's foreach kernels take them."""
-    device = leaf_lists[0][0].device if leaf_lists[0] else None
+    if not leaf_lists[0]:
+        return False  # torch's foreach kernels refuse empty lists
+    device = leaf_lists[0][0].device
     return all(
         x.dtype == torch.float32 and x.layout == torch.strided and x.device == device
         for leaves in leaf_lists
