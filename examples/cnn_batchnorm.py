@@ -28,6 +28,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from _plotting import plot_scale
+from _plotting import pyplot
+from _plotting import save
+from _plotting import scale_text
 from torch import nn
 from tqdm import tqdm
 from zoo import build_resnet_cnn
@@ -97,16 +101,10 @@ def save_plot(
     evals: Sequence[tuple[int, float, float]],
 ) -> None:
     """Train loss, eval accuracy and loss scale (log base 2) per step; a note instead without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # no display needed
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not installed: no plot saved to {path} (pip install matplotlib)")
+    plt = pyplot(path)
+    if plt is None:
         return
     steps = range(1, len(losses) + 1)
-    skipped = [s for s, ok in zip(steps, applied, strict=True) if not ok]
     figure, (loss_axes, accuracy_axes, scale_axes) = plt.subplots(
         3, 1, sharex=True, figsize=(7, 6.5), height_ratios=[2, 1.3, 1]
     )
@@ -124,22 +122,8 @@ def save_plot(
     accuracy_axes.set_ylim(0, 100)
     accuracy_axes.legend(loc="lower right")
     accuracy_axes.grid(alpha=0.3)
-    scale_axes.plot(steps, scales, drawstyle="steps-post")
-    scale_axes.set_yscale("log", base=2)
-    if skipped:
-        scale_axes.plot(skipped, [scales[s - 1] for s in skipped], "rx", label="skipped step")
-        scale_axes.legend()
-    scale_axes.set_ylabel("loss scale")
-    scale_axes.set_xlabel("step")
-    scale_axes.grid(alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    print(f"plot saved to {path}")
-
-
-def scale_text(scale: float) -> str:
-    return f"{scale:.10g} = 2^{math.log2(scale):.4g}"
+    plot_scale(scale_axes, scales, applied)
+    save(plt, figure, path)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

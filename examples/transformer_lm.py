@@ -29,6 +29,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _plotting import plot_scale
+from _plotting import pyplot
+from _plotting import save
 from torch import nn
 
 import fmp
@@ -95,29 +98,15 @@ def progress(step: int, total: int, loss: float, grad_norm: float, scale: float,
 
 def save_plot(path: Path, losses: list[float], scales: list[float], applied: list[bool]) -> None:
     """Loss and loss scale per optimizer step, skipped steps marked; skipped with a note without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # no display needed
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib is not installed: no plot saved to {path} (pip install matplotlib)")
+    plt = pyplot(path)
+    if plt is None:
         return
     steps = range(1, len(losses) + 1)
     figure, (loss_axes, scale_axes) = plt.subplots(2, 1, sharex=True, figsize=(7, 5))
     loss_axes.plot(steps, losses)
     loss_axes.set_ylabel("loss")
-    scale_axes.semilogy(steps, scales, drawstyle="steps-post")
-    skipped = [s for s, ok in zip(steps, applied, strict=True) if not ok]
-    scale_axes.plot(skipped, [scales[s - 1] for s in skipped], "rx", label="skipped step")
-    scale_axes.set_ylabel("loss scale")
-    scale_axes.set_xlabel("optimizer step")
-    if skipped:
-        scale_axes.legend()
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-    print(f"plot saved to {path}")
+    plot_scale(scale_axes, scales, applied)
+    save(plt, figure, path)
 
 
 def main() -> None:
