@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fmp-installed
 TORCH_PIP_ARGS ?=
 
-.PHONY: install demo test lint typecheck clean
+.PHONY: install demo test test-slow lint typecheck clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,11 @@ typecheck: $(STAMP)
 # Test files spread over up to 4 workers (two on 2 cores), each file whole on one worker, so a
 # module fixture (a shared compiled step) is built once; compiling dominates, one core per worker.
 test: lint typecheck
-	$(PY) -m pytest -n auto --maxprocesses=4 --dist loadfile
+	$(PY) -m pytest -n auto --maxprocesses=4 --dist loadfile -m "not slow"
+
+# The model-zoo cases left out of `make test` (each compiles a larger model's whole step).
+test-slow: $(STAMP)
+	$(PY) -m pytest -n auto --maxprocesses=4 --dist loadfile -m slow
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

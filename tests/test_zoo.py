@@ -206,8 +206,8 @@ def compiled_case(name: str, backend: str = "aot_eager", marks: Any = ()) -> Any
 COMPILED_CASES = [
     compiled_case("resnet_cnn"),
     compiled_case("gpt2"),
-    compiled_case("lstm"),
-    compiled_case("vit_block"),
+    compiled_case("lstm", marks=pytest.mark.slow),
+    compiled_case("vit_block", marks=pytest.mark.slow),
     # A ctx-style Function (no setup_context) compiles: Dynamo traces autograd.Function itself, and
     # instantiates one as it does, which warns. Only vmap refuses it (see below).
     compiled_case(
@@ -235,6 +235,7 @@ def test_compiled_step_is_one_graph_close_to_torch_amp(zoo_case: zoo.ZooCase, ba
 
 
 @pytest.mark.compiled
+@pytest.mark.slow  # tests/test_model_state.py compiles fmp's mode over max pooling and BatchNorm too
 def test_compiled_python_mode_policy_with_max_pooling_is_one_graph() -> None:
     # The default rules on CPU tensors run fmp's Python-mode autocast, whose F.max_pool2d once ended the graph.
     zoo_case = zoo.case("resnet_cnn")
