@@ -8,8 +8,8 @@ autocast off, as `torch.autocast(enabled=False)`.
 Differences from `torch.amp.custom_fwd(cast_inputs=dtype)`:
 
 - The cast always happens. custom_fwd casts only when it runs inside an autocast-enabled region
-  and is a no-op outside one; fmp keeps no ambient state to ask, so the region is the same
-  function wherever it is called.
+  and is a no-op outside one (inside fmp's own mode too; a native region, the device's own rules,
+  is torch.autocast and enables it), so the region is the same function wherever it is called.
 - No `device_type`: fmp's regions are not tied to a device.
 - It wraps any function, not only an autograd.Function's `forward`: wrap the Function's `apply`
   (`fixed_dtype(MyFunction.apply, torch.float32)`), so the casts are recorded by autograd and
