@@ -50,7 +50,6 @@ class Ambient:
         devices = set(devices)
         region = _active_modes()[-1] if _active_modes() else None
         # Inside a torch.autocast region entered within the fmp one, torch's state governs (replayed below).
-        # Inside a torch.autocast region entered within the fmp one, torch's state governs (replayed below).
         own = isinstance(region, AutocastMode | NativeRegion) and not region.inside_torch_autocast()
         self.region = region if own else None
         kinds = sorted({d.type for d in devices} | {"cpu"})

@@ -22,21 +22,9 @@ from fmp.loss_scale import LossScale
 from fmp.loss_scale import StaticLossScale
 from fmp.loss_scale import inverse_scale
 from fmp.tree import all_finite
+from fmp.tree import takes_foreach
 
 __all__ = ["owned_all_finite", "unscale_and_check"]
-
-
-def _takes_foreach(leaves: list[Any], device: torch.device) -> bool:
-    if torch.compiler.is_compiling() or torch._C._functorch.get_interpreter_stack() or not leaves:
-        return False
-    return all(
-        type(x) is torch.Tensor
-        and x.dtype == torch.float32
-        and x.is_contiguous()
-        and x.device == device
-        and not x.requires_grad
-        for x in leaves
-    )
 
 
 def unscale_and_check(scaler: LossScale, scaled_grads: Any) -> tuple[Any, torch.Tensor]:
@@ -51,7 +39,7 @@ def unscale_and_check(scaler: LossScale, scaled_grads: Any) -> tuple[Any, torch.
     """
     leaves, spec = pytree.tree_flatten(scaled_grads)
     tensor_scale = isinstance(scaler, StaticLossScale | DynamicLossScale)
-    if not (tensor_scale and _takes_foreach(leaves, scaler.loss_scale.device)):
+    if not (tensor_scale and takes_foreach(leaves, scaler.loss_scale.device)):
         grads = scaler.unscale(scaled_grads)
         return grads, all_finite(grads)
     unscaled = list(torch._foreach_mul(leaves, inverse_scale(scaler.loss_scale)))
@@ -74,6 +62,6 @@ def owned_all_finite(grads: Any) -> torch.Tensor:
         A 0-dim bool tensor, as `all_finite`'s.
     """
     leaves = pytree.tree_leaves(grads)
-    if leaves and _takes_foreach(leaves, leaves[0].device):
+    if leaves and takes_foreach(leaves, leaves[0].device):
         return _finite(leaves)
     return all_finite(grads)

@@ -81,7 +81,17 @@ def _call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return func(*args, **kwargs)
 
 
-class NativeRegion:
+class _Region:
+    """What fmp's regions share: the `torch.autocast` nesting they started from, to tell a region model code entered."""
+
+    _torch_nesting: int | None = None  # torch.autocast regions around the present `run` (its own included)
+
+    def inside_torch_autocast(self) -> bool:
+        """Whether the present call comes from inside a `torch.autocast` region entered within this one's `run`."""
+        return self._torch_nesting is not None and _torch_autocast_nesting() > self._torch_nesting
+
+
+class NativeRegion(_Region):
     """An fmp region run on torch's own autocast: a built-in rule set on the device it is for.
 
     `autocast(fn, dtype, rules="cpu")` on CPU tensors (or "cuda" on CUDA ones) asks for exactly
@@ -98,7 +108,6 @@ class NativeRegion:
     def __init__(self, device_type: str, dtype: torch.dtype) -> None:
         self.device_type = device_type
         self.dtype = dtype
-        self._torch_nesting: int | None = None  # torch.autocast regions, its own included, while it runs
 
     def run(self, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
         """Calls `fn(*args, **kwargs)` inside `torch.autocast`, as the innermost fmp region.
@@ -121,10 +130,6 @@ class NativeRegion:
         finally:
             self._torch_nesting = outer_nesting
             stack.pop()
-
-    def inside_torch_autocast(self) -> bool:
-        """Whether the present call comes from inside a `torch.autocast` region entered within this one's `run`."""
-        return self._torch_nesting is not None and _torch_autocast_nesting() > self._torch_nesting
 
 
 class _Local(threading.local):
@@ -172,7 +177,7 @@ def _widest(tree: Any) -> torch.dtype | None:
     return functools.reduce(torch.promote_types, dtypes)
 
 
-class AutocastMode(TorchFunctionMode):
+class AutocastMode(_Region, TorchFunctionMode):
     """The function mode behind `autocast`: casts listed ops' inputs by a resolved rule table.
 
     Enter it with `run`, which makes it the innermost fmp region on this thread; an empty table is
@@ -261,10 +266,6 @@ class AutocastMode(TorchFunctionMode):
                 args, kwargs = _cast_to((args, kwargs), widest)
             return _call(func, args, kwargs)
         raise RuntimeError(_BCE_FLOAT16_ERROR)  # Cast.FLOAT32_UNLESS_FLOAT16 under float16
-
-    def inside_torch_autocast(self) -> bool:
-        """Whether the present call comes from inside a `torch.autocast` region entered within this one's `run`."""
-        return self._torch_nesting is not None and _torch_autocast_nesting() > self._torch_nesting
 
     def _einsum_as_torch_cpu(self, target: Target, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
         """Whether to run an einsum on CPU tensors under torch.autocast("cpu"), whose casts are the rules'.

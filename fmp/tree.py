@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import operator
+from collections.abc import Callable
 from collections.abc import ItemsView
 from collections.abc import Iterator
 from collections.abc import KeysView
@@ -29,6 +31,7 @@ __all__ = [
     "select_tree",
     "selectable_pairs",
     "stack_trees",
+    "takes_foreach",
     "tree_accelerator_device",
     "tree_device",
     "unstack_tree",
@@ -161,6 +164,25 @@ def _values(x: torch.Tensor) -> torch.Tensor:
     return (x.coalesce() if x.dtype == torch.float16 else x)._values()
 
 
+def takes_foreach(leaves: list[Any], device: torch.device) -> bool:
+    """Whether eager code may hand `leaves` to torch's multi-tensor (`_foreach_*`) kernels at once.
+
+    Every leaf a plain, contiguous float32 tensor on `device` that autograd does not track, and at
+    least one (the kernels refuse empty lists); not while compiling, where Inductor fuses the
+    per-leaf form, nor under `torch.func` transforms.
+    """
+    if torch.compiler.is_compiling() or torch._C._functorch.get_interpreter_stack() or not leaves:
+        return False
+    return all(
+        type(x) is torch.Tensor
+        and x.dtype == torch.float32
+        and x.is_contiguous()
+        and x.device == device
+        and not x.requires_grad
+        for x in leaves
+    )
+
+
 def _finite_whole(x: torch.Tensor) -> torch.Tensor:
     # min and max propagate NaN, and are finite only if every element is: one read of the leaf, no
     # temporary (isfinite(x).all() writes a bool copy first, ~20x slower in eager CPU).
@@ -291,23 +313,27 @@ def selectable_pairs(pred: torch.Tensor, on_true: Any, on_false: Any) -> tuple[p
     if true_spec != false_spec:
         raise ValueError(f"select_tree needs two trees of one structure, got {true_spec} and {false_spec}")
     for index, (a, b) in enumerate(zip(true_leaves, false_leaves, strict=True)):
-        problem = _selection_problem(a, b)
-        if problem is not None:
-            # Key paths only for the message: flattening with them costs several times a plain flatten.
-            where = pytree.keystr(pytree.tree_flatten_with_path(on_true)[0][index][0])
-            raise ValueError(f"select_tree: {problem.replace('{where}', where, 1)}")
+        _check_selectable(a, b, functools.partial(_leaf_path, on_true, index))
     return true_spec, list(zip(true_leaves, false_leaves, strict=True))
 
 
-def _selection_problem(a: Any, b: Any) -> str | None:
-    """Why leaves `a` and `b` cannot be selected between (a template with `{where}`), or None."""
+def _leaf_path(tree: Any, index: int) -> str:
+    # Key paths only for messages: flattening with them costs several times a plain flatten.
+    return pytree.keystr(pytree.tree_flatten_with_path(tree)[0][index][0])
+
+
+def _check_selectable(a: Any, b: Any, where: Callable[[], str]) -> None:
+    """Raises naming the leaf (`where()`) unless `a` and `b` can be selected between."""
     if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
-        return "leaf {where} is a tensor on one side only"
+        raise ValueError(f"select_tree: leaf {where()} is a tensor on one side only")
     if not isinstance(a, torch.Tensor):
-        return None if same_static_leaf(a, b) else f"non-tensor leaf {{where}} differs: {a!r} vs {b!r}"
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return f"leaf {{where}} is {a.dtype}{list(a.shape)} on one side and {b.dtype}{list(b.shape)} on the other"
-    return None
+        if not same_static_leaf(a, b):
+            raise ValueError(f"select_tree: non-tensor leaf {where()} differs: {a!r} vs {b!r}")
+    elif a.shape != b.shape or a.dtype != b.dtype:
+        raise ValueError(
+            f"select_tree: leaf {where()} is {a.dtype}{list(a.shape)} on one side "
+            f"and {b.dtype}{list(b.shape)} on the other"
+        )
 
 
 def stack_trees(trees: list[Tree]) -> Tree:

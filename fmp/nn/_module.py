@@ -45,19 +45,13 @@ def split(module: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.T
 
 
 def _persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    found = []
+    """`named_buffers()` less the non-persistent ones, each buffer once."""
+    found: dict[int, tuple[str, torch.Tensor]] = {}
     for prefix, owner in module.named_modules():
-        dot = f"{prefix}." if prefix else ""
-        for name, buffer in owner.named_buffers(recurse=False):
-            if name not in owner._non_persistent_buffers_set:
-                found.append((f"{dot}{name}", buffer))
-    seen: set[int] = set()
-    unique = []
-    for name, buffer in found:
-        if id(buffer) not in seen:
-            seen.add(id(buffer))
-            unique.append((name, buffer))
-    return unique
+        for name, buffer in owner.named_buffers(prefix=prefix, recurse=False):
+            if name.rpartition(".")[2] not in owner._non_persistent_buffers_set:
+                found.setdefault(id(buffer), (name, buffer))
+    return list(found.values())
 
 
 def call(

@@ -24,6 +24,7 @@ from fmp.optim._base import scheduled_lr
 from fmp.optim._base import step_counter
 from fmp.optim._base import tree_zeros_like
 from fmp.optim._base import unflatten_as
+from fmp.tree import takes_foreach
 
 __all__ = ["AdamState", "adam", "adamw"]
 
@@ -83,18 +84,6 @@ def _check_dense(name: str, grads: Any, grad_leaves: list[Any]) -> None:
             )
 
 
-def _takes_foreach(*leaf_lists: list[Any]) -> bool:
-    """Whether every leaf is a dense float32 tensor on one device, as torch's foreach kernels take them."""
-    if not leaf_lists[0]:
-        return False  # torch's foreach kernels refuse empty lists
-    device = leaf_lists[0][0].device
-    return all(
-        x.dtype == torch.float32 and x.layout == torch.strided and x.device == device
-        for leaves in leaf_lists
-        for x in leaves
-    )
-
-
 def _adam(
     lr: LearningRate, betas: tuple[float, float], eps: float, weight_decay: float, *, decoupled: bool
 ) -> Optimizer:
@@ -149,7 +138,8 @@ def _adam(
         in_place = writes_in_place(grads, state, params, step_scalars)
         if not decoupled and weight_decay:
             grad_leaves = [torch.add(g, p, alpha=weight_decay) for g, p in zip(grad_leaves, param_leaves, strict=True)]
-        if in_place and _takes_foreach(param_leaves, grad_leaves, exp_avg_leaves, exp_avg_sq_leaves):
+        every = [*param_leaves, *grad_leaves, *exp_avg_leaves, *exp_avg_sq_leaves]
+        if in_place and every and takes_foreach(every, every[0].device):
             # The same ops, one call per op for all leaves instead of one per leaf (the same bits).
             moment1 = list(torch._foreach_lerp(exp_avg_leaves, grad_leaves, 1.0 - beta1))
             moment2 = list(torch._foreach_mul(exp_avg_sq_leaves, beta2))
