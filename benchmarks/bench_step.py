@@ -140,7 +140,7 @@ def torch_contender(model: nn.Module, setting: Setting, family: str, *, amp: boo
 def buffer_contender(model: nn.Module, setting: Setting) -> Contender:
     """The torch.nn loop of torch_contender with fmp's scaler and a GradientBuffer, stepping a fused SGD."""
     device_type = next(model.parameters()).device.type
-    grads = fmp.GradientBuffer.attach(model.parameters())
+    grads = fmp.interop.GradientBuffer.attach(model.parameters())
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, fused=True)  # fused: it skips on the device
     scaler = fmp.DynamicLossScale.create(device=device_type)
     autocast = setting.dtype != torch.float32

@@ -9,13 +9,13 @@ and each row prints its share of the copy's bandwidth and its time relative to t
   torch kernels        torch._amp_foreach_non_finite_check_and_unscale_ + torch._amp_update_scale_
   fmp eager            fmp.unscale_and_adjust, op by op
   fmp eager donated    the same with donate=True: multiplied in place, then checked (two passes)
-  fmp fused            fmp.fused_unscale_and_adjust (torch.compile, fullgraph)
+  fmp fused            compiled_unscale_and_adjust (torch.compile, fullgraph)
   fmp fused donated    the same with donate=True: the unscaled values overwrite the gradients
   fmp fused graph      the same replayed as a CUDA graph (GPU, cases under 4 GB)
   fmp fused donated graph
                        the donated form replayed as a CUDA graph (GPU, cases under 4 GB)
   fmp GradientBuffer   the same gradients held as views into one flat buffer
-                       (fmp.GradientBuffer), unscaled in place by its unscale_: one tensor, one pass
+                       (fmp.interop.GradientBuffer), unscaled in place by its unscale_: one tensor, one pass
   torch kernels, flat  GradScaler's kernels on that flat buffer: what the layout alone gives them
   fmp GradientBuffer, clipped
                        its unscale_and_clip_: unscale, check, clip to a global norm, in two passes
@@ -43,7 +43,8 @@ from _common import synchronize
 from torch._inductor import metrics
 
 import fmp
-from fmp.fused import _combo_kernel_options
+from fmp._scaler import _inductor_options
+from fmp._scaler import compiled_unscale_and_adjust
 
 Grads = list[torch.Tensor]
 
@@ -63,8 +64,8 @@ def check_agreement(grads: Grads, scale: float) -> None:
     """fmp's fused and eager results equal GradScaler's kernel bit for bit (first 8 leaves)."""
     sample = [g[:64].clone() for g in grads[:8]]
     scaler = fmp.StaticLossScale.create(scale, device=grads[0].device)
-    eager, eager_finite, _ = fmp.unscale_and_adjust(scaler, sample)
-    fused, fused_finite, _ = fmp.fused_unscale_and_adjust(scaler, sample)
+    eager, eager_finite, _, _ = fmp.unscale_and_adjust(scaler, sample)
+    fused, fused_finite, _, _ = compiled_unscale_and_adjust(scaler, sample)
     found_inf = torch.zeros(1, device=grads[0].device)
     inverse = torch.full((1,), scale, dtype=torch.float64, device=grads[0].device).reciprocal().float()
     torch._amp_foreach_non_finite_check_and_unscale_(sample, found_inf, inverse)
@@ -98,16 +99,16 @@ def contenders(grads: Grads) -> dict[str, Callable[[], object]]:
         "torch kernels": torch_kernels(grads),
         "fmp eager": lambda: fmp.unscale_and_adjust(scaler, grads),
         "fmp eager donated": lambda: fmp.unscale_and_adjust(scaler, grads, donate=True),
-        "fmp fused": lambda: fmp.fused_unscale_and_adjust(scaler, grads),
+        "fmp fused": lambda: compiled_unscale_and_adjust(scaler, grads),
         # In place, as torch's kernel; the scale stays 1, so repeated calls keep the values.
-        "fmp fused donated": lambda: fmp.fused_unscale_and_adjust(scaler, grads, donate=True),
+        "fmp fused donated": lambda: compiled_unscale_and_adjust(scaler, grads, donate=True),
     }
     if device.type == "cuda" and sum(g.numel() for g in grads) < 2**30:
         # Replayed as one CUDA graph, as inside a step compiled with mode="reduce-overhead"; the
         # gradients stay where they are (as a step's would), so the graph reads them in place.
         for g in grads:
             torch._dynamo.mark_static_address(g)
-        options = {**_combo_kernel_options(), "triton.cudagraphs": True}
+        options = {**_inductor_options("cuda", clips=False), "triton.cudagraphs": True}
         graphed = torch.compile(fmp.unscale_and_adjust, fullgraph=True, options=options)
         timed["fmp fused graph"] = lambda: graphed(scaler, grads)
         timed["fmp fused donated graph"] = lambda: graphed(scaler, grads, donate=True)
@@ -123,20 +124,22 @@ def copy_seconds(grads: Grads, reps: int) -> float:
     return median_seconds(lambda: torch._foreach_copy_(copies, grads), grads[0].device, reps)
 
 
-def gradient_buffer(grads: Grads) -> tuple[fmp.GradientBuffer, list[torch.Tensor]]:
+def gradient_buffer(grads: Grads) -> tuple[fmp.interop.GradientBuffer, list[torch.Tensor]]:
     """A GradientBuffer holding copies of `grads`, and the parameters it is attached to.
 
     Each parameter is a scalar expanded to its gradient's shape, which takes no memory: only the
     gradients matter here, and 7B-shaped parameters would not fit on the GPU beside them.
     """
     params = [torch.zeros((), device=g.device).expand(g.shape).requires_grad_() for g in grads]
-    buffer = fmp.GradientBuffer.attach(params)
+    buffer = fmp.interop.GradientBuffer.attach(params)
     for param, grad in zip(params, grads, strict=True):
         cast(torch.Tensor, param.grad).copy_(grad)
     return buffer, params
 
 
-def buffer_contenders(buffer: fmp.GradientBuffer, params: list[torch.Tensor]) -> dict[str, Callable[[], object]]:
+def buffer_contenders(
+    buffer: fmp.interop.GradientBuffer, params: list[torch.Tensor]
+) -> dict[str, Callable[[], object]]:
     """The rows timed on the buffer: fmp's unscale and unscale-and-clip, torch's on the same bytes."""
     device = params[0].device
     scaler = fmp.DynamicLossScale.create(1.0, device=device)  # scale 1: repeated calls keep the values
@@ -167,7 +170,7 @@ def run_case(name: str, shapes: list[tuple[int, ...]], device: torch.device, rep
     moved = 2 * sum(g.numel() * g.element_size() for g in grads)  # each byte read once, written once
     metrics.reset()
     start = time.perf_counter()
-    fmp.fused_unscale_and_adjust(fmp.DynamicLossScale.create(1.0, device=device), grads)
+    compiled_unscale_and_adjust(fmp.DynamicLossScale.create(1.0, device=device), grads)
     synchronize(device)
     compile_seconds = time.perf_counter() - start
     kernels = metrics.generated_kernel_count

@@ -5,13 +5,13 @@ A small MLP trains for `--steps-before` steps with plain torch.amp (`torch.autoc
 `torch.save`. From that checkpoint two runs go on side by side for `--steps-after` steps: torch.amp
 as before, and fmp, whose state is built from the checkpoint: the params from the model's
 state_dict, the optimizer state converted from torch.optim's state_dict
-(`fmp.optim.from_torch_state_dict`), the loss scale from the GradScaler's
+(`fmp.interop.from_torch_state_dict`), the loss scale from the GradScaler's
 (`fmp.DynamicLossScale.from_state_dict`). Every fifth batch holds an inf and the scale grows
 every three finite steps, so both runs back off, skip and grow; the scales they print step by
 step are identical. Then the fmp state goes through
 `torch.save` and `torch.load(weights_only=True)` bit for bit, and back the other way a GradScaler
 loads fmp's scaler state and a torch optimizer fmp's optimizer state
-(`fmp.optim.to_torch_state_dict`).
+(`fmp.interop.to_torch_state_dict`).
 
 fmp's policy applies the compute dtype op by op with torch.autocast's rules (`Policy.rules`,
 "cuda" by default: on this model, linear in the compute dtype and mse_loss in float32, as
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace, checkpoint_dir: Path) -> None:
     # 2b. ...and so does fmp. The module lends its structure to functional_call; its copy holds no memory.
     skeleton = copy.deepcopy(model).to("meta")
     params = {name: checkpoint["model"][name].detach().clone() for name, _ in skeleton.named_parameters()}
-    fmp_optimizer, opt_state = fmp.optim.from_torch_state_dict(
+    fmp_optimizer, opt_state = fmp.interop.from_torch_state_dict(
         args.optimizer, checkpoint["optimizer"], params, checkpoint["applied_steps"]
     )
     state = fmp.TrainState.create(params, fmp_optimizer, fmp.DynamicLossScale.from_state_dict(checkpoint["scaler"]))
@@ -226,8 +226,7 @@ def run(args: argparse.Namespace, checkpoint_dir: Path) -> None:
     # 3. fmp's own checkpoint: the whole TrainState, loaded back with torch's safe loader.
     fmp_path = checkpoint_dir / "fmp_state.pt"
     torch.save(state, fmp_path)
-    with torch.serialization.safe_globals(fmp.checkpoint_classes()):
-        restored = torch.load(fmp_path, map_location=device, weights_only=True)
+    restored = torch.load(fmp_path, map_location=device, weights_only=True)
     reloaded = trees_bitwise_equal(restored, state)
     print(f"fmp state reloaded from {fmp_path} with weights_only=True, bit for bit: {reloaded}")
 
@@ -238,7 +237,7 @@ def run(args: argparse.Namespace, checkpoint_dir: Path) -> None:
     back_model = make_model(args.width).to(device)
     back_model.load_state_dict(restored.params)
     back_optimizer = make_torch_optimizer(args.optimizer, back_model, args.lr)
-    back_optimizer.load_state_dict(fmp.optim.to_torch_state_dict(restored.opt_state, back_optimizer))
+    back_optimizer.load_state_dict(fmp.interop.to_torch_state_dict(restored.opt_state, back_optimizer))
     tracker, same = back.state_dict()["_growth_tracker"], back.state_dict() == scaler.state_dict()
     print(
         f"GradScaler loaded from fmp's scaler: scale {back.get_scale():g}, growth tracker {tracker}, "

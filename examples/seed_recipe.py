@@ -67,7 +67,7 @@ def train_fmp_autograd(
     model: nn.Module, data: Data, epochs: int, lr: float, dtype: torch.dtype, growth: int, compiled: bool
 ) -> History:
     # Compiled, the unscale is one pass per buffer; eager (no C++ compiler needed), the same bits.
-    grads = fmp.GradientBuffer.attach(model.parameters(), compiled=compiled)
+    grads = fmp.interop.GradientBuffer.attach(model.parameters(), compiled=compiled)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, fused=True)  # fused: it skips on the device
     scaler = fmp.DynamicLossScale.create(growth_interval=growth)
     history = []

@@ -11,7 +11,7 @@ permutation drives the loss from log(vocab) towards the noise floor.
 
 One micro-batch of step `--poison-step` has its logits multiplied by inf, standing in for a bad
 batch: that whole step is skipped, the scale backs off once, and the plot marks it. At the end,
-`fmp.locate_nonfinite` runs that micro-batch again and says where its inf came from.
+`fmp.debug.locate_nonfinite` runs that micro-batch again and says where its inf came from.
 
 The plot (`--plot transformer_lm.png`) needs matplotlib (`pip install matplotlib`); without it the
 run says so and goes on.
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +32,7 @@ from _plotting import plot_scale
 from _plotting import pyplot
 from _plotting import save
 from torch import nn
+from tqdm import tqdm
 
 import fmp
 
@@ -66,7 +66,7 @@ class GPT(nn.Module):
         x = self.tokens(tokens) + self.positions(positions)
         for block in self.blocks:
             # With remat, a block keeps only its input for the backward pass, which runs it again.
-            x = fmp.remat(block)(x) if self.remat else block(x)
+            x = fmp.remat.remat(block)(x) if self.remat else block(x)
         return self.head(self.norm(x))
 
 
@@ -86,14 +86,6 @@ def synthetic_batches(
         seq[noisy] = torch.randint(vocab, (int(noisy.sum()),), generator=gen)
         batches.append((seq[:, :-1], seq[:, 1:]))
     return batches
-
-
-def progress(step: int, total: int, loss: float, grad_norm: float, scale: float, skipped: int, seconds: float) -> None:
-    filled = 30 * step // total
-    bar = "#" * filled + "." * (30 - filled)
-    line = f"\r[{bar}] step {step}/{total} loss {loss:.4f} grad norm {grad_norm:.3g} scale {scale:g} skipped {skipped}"
-    line += f" {seconds:.1f}s"
-    print(line, end="" if step < total else "\n", file=sys.stderr, flush=True)
 
 
 def save_plot(path: Path, losses: list[float], scales: list[float], applied: list[bool]) -> None:
@@ -177,29 +169,29 @@ def main() -> None:
     )
     # Per-step values stay on device; reading them syncs, so that happens only for the progress bar.
     losses, scales, applied = [], [], []
-    window_loss = torch.zeros((), device=device)
     clean, poisoned = torch.ones((), device=device), torch.full((), math.inf, device=device)
     bad_batch: tuple[torch.Tensor, ...] = ()
     start = time.perf_counter()
-    for i, (tokens, targets) in enumerate(data):
-        poison = poisoned if i == (args.poison_step - 1) * args.accumulate else clean
-        if poison is poisoned:
-            bad_batch = (tokens.to(device), targets.to(device), poison)
-        state, info = step(state, tokens.to(device), targets.to(device), poison)
-        window_loss = window_loss + info.loss / args.accumulate
-        if (i + 1) % args.accumulate:
-            continue
+    bar = tqdm(range(1, args.steps + 1), desc="train", unit="step", dynamic_ncols=True)
+    for done in bar:
+        window_loss = torch.zeros((), device=device)
+        for micro in range(args.accumulate):
+            tokens, targets = (t.to(device) for t in data[(done - 1) * args.accumulate + micro])
+            poison = poisoned if done == args.poison_step and micro == 0 else clean
+            if poison is poisoned:
+                bad_batch = (tokens, targets, poison)
+            state, info = step(state, tokens, targets, poison)
+            window_loss = window_loss + info.loss / args.accumulate
         losses.append(window_loss)
         scales.append(info.loss_scale.clone())
         applied.append(info.applied.clone())
-        window_loss = torch.zeros((), device=device)
-        done = len(losses)
         if done % 10 == 0 or done == args.steps:
             fmp.raise_if_stalled(state, patience=20)  # fail fast if every step overflows at the floor
-            elapsed = time.perf_counter() - start
             # The norm of the window's mean gradient, before clipping (`clip_grad_norm_`'s return value).
-            norm = float(info.grad_norm)
-            progress(done, args.steps, float(losses[-1]), norm, float(scales[-1]), int(state.counts.skipped), elapsed)
+            postfix = {"loss": f"{float(window_loss):.4f}", "grad_norm": f"{float(info.grad_norm):.3g}"}
+            postfix |= {"scale": f"{float(info.loss_scale):g}", "skipped": int(state.counts.skipped)}
+            bar.set_postfix(postfix, refresh=False)
+    bar.close()
     seconds = time.perf_counter() - start
     loss_values, applied_values = torch.stack(losses).tolist(), torch.stack(applied).tolist()
     # The summary averages the last five applied steps: a skipped step's loss is not finite.
@@ -214,7 +206,7 @@ def main() -> None:
     save_plot(args.plot, loss_values, torch.stack(scales).tolist(), applied_values)
     if bad_batch and int(counts.skipped):
         # A debugging pass (it reads every op's output): which op made the skipped step's inf or NaN.
-        report = fmp.locate_nonfinite(loss_fn, state.params, *bad_batch, policy=policy, scaler=state.scaler)
+        report = fmp.debug.locate_nonfinite(loss_fn, state.params, *bad_batch, policy=policy, scaler=state.scaler)
         print(f"the poisoned micro-batch, located {report}")
 
 

@@ -1,46 +1,47 @@
-"""fmp: functional mixed precision for PyTorch."""
+"""fmp: functional mixed precision for PyTorch.
 
+The core lives here: precision policies, loss-scale states, the training step and its gradients,
+gradient accumulation, and tree utilities. Each other concern has a subpackage: `fmp.autocast`
+(op-level autocast), `fmp.optim` (pure optimizers), `fmp.nn` (modules as pure state),
+`fmp.remat` (activation checkpointing), `fmp.debug` (locating overflows), `fmp.interop`
+(`torch.nn`/`torch.optim` loops), `fmp.serialization` (saving states) and `fmp.distributed`
+(data parallel, imported on its own).
+"""
+
+from fmp import autocast
+from fmp import debug
+from fmp import interop
 from fmp import nn
 from fmp import optim
+from fmp import remat
+from fmp import serialization
+from fmp._accumulate import GradientAccumulator
+from fmp._grad import Gradients
+from fmp._grad import mixed_precision_grad
+from fmp._grad import with_policy
+from fmp._loss_scale import DynamicLossScale
+from fmp._loss_scale import LossScale
+from fmp._loss_scale import NoOpLossScale
+from fmp._loss_scale import StaticLossScale
+from fmp._policy import Policy
+from fmp._policy import get_policy
+from fmp._policy import half_dtype
+from fmp._rounding import stochastic_round
+from fmp._scaler import Unscaled
+from fmp._scaler import unscale_and_adjust
+from fmp._state import StepCounts
+from fmp._state import TrainState
+from fmp._step import LossScaleStalledError
+from fmp._step import StepInfo
+from fmp._step import mixed_precision_step
+from fmp._step import raise_if_stalled
+from fmp._step import train_step
 from fmp._struct import OPTREE_NAMESPACE
-from fmp.accumulate import GradientAccumulator
-from fmp.autocast import autocast
-from fmp.autocast_regions import fixed_dtype
-from fmp.autocast_regions import no_autocast
-from fmp.checkpoint import checkpoint_classes
-from fmp.debug import NonFiniteOrigin
-from fmp.debug import NonFiniteReport
-from fmp.debug import locate_nonfinite
-from fmp.fused import fused_unscale_and_adjust
-from fmp.fused import fused_unscale_clip_and_adjust
-from fmp.fused import unscale_and_adjust
-from fmp.fused import unscale_clip_and_adjust
-from fmp.grad import Gradients
-from fmp.grad import mixed_precision_grad
-from fmp.grad import with_policy
-from fmp.gradient_buffer import GradientBuffer
-from fmp.loss_scale import DynamicLossScale
-from fmp.loss_scale import LossScale
-from fmp.loss_scale import NoOpLossScale
-from fmp.loss_scale import StaticLossScale
-from fmp.module_policy import module_policies
-from fmp.policy import Policy
-from fmp.policy import get_policy
-from fmp.policy import half_dtype
-from fmp.remat import remat
-from fmp.rounding import stochastic_round
-from fmp.state import StepCounts
-from fmp.state import TrainState
-from fmp.step import LossScaleStalledError
-from fmp.step import StepInfo
-from fmp.step import mixed_precision_step
-from fmp.step import raise_if_stalled
-from fmp.step import train_step
-from fmp.tree import all_finite
-from fmp.tree import cast_floating
-from fmp.tree import select_tree
-from fmp.tree import stack_trees
-from fmp.tree import unstack_tree
+from fmp._tree import all_finite
+from fmp._tree import cast_floating
+from fmp._tree import select_tree
+from fmp._tree import stack_trees
+from fmp._tree import unstack_tree
 
 __version__ = "0.1.0"
 
@@ -48,42 +49,35 @@ __all__ = [
     "OPTREE_NAMESPACE",
     "DynamicLossScale",
     "GradientAccumulator",
-    "GradientBuffer",
     "Gradients",
     "LossScale",
     "LossScaleStalledError",
     "NoOpLossScale",
-    "NonFiniteOrigin",
-    "NonFiniteReport",
     "Policy",
     "StaticLossScale",
     "StepCounts",
     "StepInfo",
     "TrainState",
+    "Unscaled",
     "all_finite",
     "autocast",
     "cast_floating",
-    "checkpoint_classes",
-    "fixed_dtype",
-    "fused_unscale_and_adjust",
-    "fused_unscale_clip_and_adjust",
+    "debug",
     "get_policy",
     "half_dtype",
-    "locate_nonfinite",
+    "interop",
     "mixed_precision_grad",
     "mixed_precision_step",
-    "module_policies",
     "nn",
-    "no_autocast",
     "optim",
     "raise_if_stalled",
     "remat",
     "select_tree",
+    "serialization",
     "stack_trees",
     "stochastic_round",
     "train_step",
     "unscale_and_adjust",
-    "unscale_clip_and_adjust",
     "unstack_tree",
     "with_policy",
 ]

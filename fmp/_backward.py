@@ -26,7 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-from fmp.tree import functorch_base
+from fmp._tree import functorch_base
 
 __all__ = ["check_reads_no_module_parameters", "grad_and_aux", "tracked_leaves"]
 

@@ -16,7 +16,7 @@ from typing import cast
 import torch
 import torch.utils._pytree as pytree
 
-from fmp.tree import selectable_pairs
+from fmp._tree import selectable_pairs
 
 __all__ = ["check_distinct", "copy_aliases", "donate_into", "select_into", "writable", "writes_in_place"]
 

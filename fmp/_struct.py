@@ -3,6 +3,8 @@
 `torch.func` and `torch.compile` read pytrees through `torch.utils._pytree`; optree users read them
 through the namespace `OPTREE_NAMESPACE`. Tensor fields are leaves; fields declared with
 `static_field()` are configuration and live in the treespec, so they survive every round trip.
+Both decorators also allow the class in `torch.load(weights_only=True)`, so a saved state loads
+with torch's safe default and no extra context.
 """
 
 from __future__ import annotations
@@ -13,10 +15,18 @@ from typing import Any
 from typing import TypeVar
 
 import optree
+import torch
 import torch.utils._pytree as torch_pytree
 from typing_extensions import dataclass_transform
 
-__all__ = ["OPTREE_NAMESPACE", "pytree_dataclass", "replace", "serializable_namedtuple", "static_field"]
+__all__ = [
+    "OPTREE_NAMESPACE",
+    "pytree_dataclass",
+    "replace",
+    "serializable_namedtuple",
+    "state_classes",
+    "static_field",
+]
 
 OPTREE_NAMESPACE = "fmp"
 """The optree namespace fmp's state classes are registered under: `optree.tree_flatten(x, namespace=...)`."""
@@ -25,6 +35,26 @@ _STATIC = "fmp_static"
 _FIELD_NAMES = "_fmp_field_names"
 
 T = TypeVar("T")
+
+# Every class the decorators below registered, in order of definition.
+_STATE_CLASSES: list[type] = []
+
+
+def _allow_in_checkpoints(cls: type) -> None:
+    _STATE_CLASSES.append(cls)
+    torch.serialization.add_safe_globals([cls])
+
+
+def state_classes() -> list[type]:
+    """Fmp's state classes, which `torch.load(weights_only=True)` is allowed to rebuild.
+
+    They are allowed when fmp is imported; the list serves a loader with an allow-list of its own
+    (`torch.serialization.safe_globals(...)`).
+
+    Returns:
+        The classes, a fresh list.
+    """
+    return list(_STATE_CLASSES)
 
 
 def static_field(**kwargs: Any) -> Any:
@@ -104,6 +134,7 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
         path_entry_type=optree.GetAttrEntry,
         namespace=OPTREE_NAMESPACE,
     )
+    _allow_in_checkpoints(data_cls)
     return data_cls
 
 
@@ -111,10 +142,11 @@ NamedTupleT = TypeVar("NamedTupleT", bound=type)
 
 
 def serializable_namedtuple(cls: NamedTupleT) -> NamedTupleT:
-    """Class decorator: gives a NamedTuple a name in torch's serialized treespecs.
+    """Class decorator: gives a NamedTuple a name in torch's serialized treespecs, and allows it in checkpoints.
 
     Every NamedTuple is a pytree, but `torch.utils._pytree.treespec_dumps` (and so `torch.export.save`
     of a program taking or returning fmp's state) refuses one registered without a name.
     """
     torch_pytree._register_namedtuple(cls, serialized_type_name=f"{cls.__module__}.{cls.__qualname__}")
+    _allow_in_checkpoints(cls)
     return cls

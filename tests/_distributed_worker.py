@@ -271,7 +271,7 @@ def fsdp2_train(rank: int, world: int) -> dict[str, Any]:
         grads = {names[n]: p.grad.to_local() for n, p in model.named_parameters()}  # type: ignore[union-attr]
         if step == 2 and rank == 1:
             grads["w1"] = grads["w1"].clone().index_fill_(0, torch.tensor([0]), float("inf"))
-        grads, finite, scaler = fmp.distributed.unscale_and_adjust(scaler, grads)
+        grads, finite, _, scaler = fmp.distributed.unscale_and_adjust(scaler, grads)
         new_params, opt_state = fmp.select_tree(finite, optimizer.update(grads, opt_state, params), (params, opt_state))
         with torch.no_grad():
             for key, value in new_params.items():

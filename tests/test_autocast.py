@@ -20,10 +20,10 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
 from fmp.autocast import autocast
-from fmp.autocast import resolve_rules
-from fmp.autocast_rules import CPU
-from fmp.autocast_rules import CUDA
-from fmp.autocast_rules import Cast
+from fmp.autocast._rules import CPU
+from fmp.autocast._rules import CUDA
+from fmp.autocast._rules import Cast
+from fmp.autocast._transform import resolve_rules
 
 LOW = [torch.bfloat16, torch.float16]
 

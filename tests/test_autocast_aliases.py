@@ -32,9 +32,9 @@ from test_autocast_cuda_rules import under_torch_cuda_autocast
 from torch import nn
 
 from fmp.autocast import autocast
-from fmp.autocast_overrides import seen_names
-from fmp.autocast_paths import CALLS
-from fmp.autocast_paths import ROUTES
+from fmp.autocast._overrides import seen_names
+from fmp.autocast._paths import CALLS
+from fmp.autocast._paths import ROUTES
 
 LOW = [torch.bfloat16, torch.float16]
 Case = Callable[[torch.dtype], tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]]

@@ -21,7 +21,7 @@ from test_autocast import _to
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fmp.autocast import autocast
-from fmp.autocast_rules import CUDA
+from fmp.autocast._rules import CUDA
 
 LOW = [torch.bfloat16, torch.float16]
 CUDA_OPS = sorted(

@@ -13,7 +13,7 @@ from torch import nn
 
 import fmp
 from fmp.autocast import autocast
-from fmp.autocast_rules import CPU
+from fmp.autocast._rules import CPU
 
 NATIVE = fmp.get_policy("params=float32,compute=bfloat16,output=float32,rules=cpu")
 
@@ -117,8 +117,8 @@ def test_native_and_python_regions_nest_with_the_innermost_winning() -> None:
     assert autocast(inner_python, torch.bfloat16, rules="cpu")(x) == (torch.float16, torch.float32, False)
     inner_native = autocast(matmul_and_softmax, torch.bfloat16, rules="cpu")
     assert autocast(inner_native, torch.float16)(x) == (torch.bfloat16, torch.bfloat16, True)
-    assert fmp.fixed_dtype(matmul_and_softmax, torch.float32)(x)[0] == torch.float32
-    fixed_inside = autocast(fmp.fixed_dtype(matmul_and_softmax, torch.float32), torch.bfloat16, rules="cpu")
+    assert fmp.autocast.fixed_dtype(matmul_and_softmax, torch.float32)(x)[0] == torch.float32
+    fixed_inside = autocast(fmp.autocast.fixed_dtype(matmul_and_softmax, torch.float32), torch.bfloat16, rules="cpu")
     assert fixed_inside(x) == (torch.float32, torch.bfloat16, False)
 
 
@@ -212,7 +212,7 @@ def test_remat_inside_a_native_region_recomputes_an_inner_region_as_it_ran() -> 
         return autocast(inner, torch.float16)(x, w).float().sin()
 
     def loss(w1: torch.Tensor, w2: torch.Tensor, x: torch.Tensor, rematerialize: bool) -> torch.Tensor:
-        h = (fmp.remat(block) if rematerialize else block)(x, w1)
+        h = (fmp.remat.remat(block) if rematerialize else block)(x, w1)
         return (h @ w2).float().square().sum()
 
     gen = torch.Generator().manual_seed(0)

@@ -10,8 +10,8 @@ import torch
 import fmp
 
 REGIONS: dict[str, Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]] = {
-    "fixed_dtype": lambda fn: fmp.fixed_dtype(fn, torch.float32),
-    "no_autocast": fmp.no_autocast,
+    "fixed_dtype": lambda fn: fmp.autocast.fixed_dtype(fn, torch.float32),
+    "no_autocast": fmp.autocast.no_autocast,
 }
 
 
@@ -47,7 +47,7 @@ def test_fixed_dtype_matches_custom_fwd_under_torch_autocast() -> None:
 
     x, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(8, 3, dtype=torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        ours = fmp.fixed_dtype(matmul, torch.float32)(x, w)
+        ours = fmp.autocast.fixed_dtype(matmul, torch.float32)(x, w)
         theirs = Matmul.apply(x, w)
     assert ours.dtype == theirs.dtype == torch.float32 and torch.equal(ours, theirs)
 
@@ -55,7 +55,7 @@ def test_fixed_dtype_matches_custom_fwd_under_torch_autocast() -> None:
 @pytest.mark.compiled
 def test_a_region_inside_torch_autocast_compiles_whole() -> None:
     x, w = torch.randn(4, 8), torch.randn(8, 3)
-    region = fmp.fixed_dtype(matmul, torch.float32)
+    region = fmp.autocast.fixed_dtype(matmul, torch.float32)
     compiled = torch.compile(lambda x, w: region(x, w) * 2, fullgraph=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = compiled(x, w)
@@ -79,8 +79,8 @@ def bfloat16_inside(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, tor
 def test_torch_autocast_regions_in_model_code_take_over_inside_fmp_autocast(compiled: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     freq, positions, w = torch.rand(8, generator=gen), torch.arange(64.0), torch.randn(8, 3, generator=gen)
-    opt_out = fmp.autocast(rotary_angles, torch.bfloat16, rules="cpu")
-    opt_in = fmp.autocast(bfloat16_inside, torch.float16, rules="cpu")
+    opt_out = fmp.autocast.autocast(rotary_angles, torch.bfloat16, rules="cpu")
+    opt_in = fmp.autocast.autocast(bfloat16_inside, torch.float16, rules="cpu")
     if compiled:  # Dynamo enters the model's regions while tracing, so the mode sees them there too
         opt_out = torch.compile(opt_out, fullgraph=True, backend="eager")
         opt_in = torch.compile(opt_in, fullgraph=True, backend="eager")
@@ -98,10 +98,10 @@ def test_torch_autocast_regions_in_model_code_take_over_inside_fmp_autocast(comp
 
 def test_a_wrapped_function_that_cannot_be_called_is_named_when_wrapped() -> None:
     with pytest.raises(TypeError, match="autocast's fn must be a function, got int"):
-        fmp.autocast(3, torch.bfloat16)  # type: ignore[arg-type]
+        fmp.autocast.autocast(3, torch.bfloat16)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="no_autocast's fn must be a function, got str"):
-        fmp.no_autocast("relu")  # type: ignore[arg-type]
+        fmp.autocast.no_autocast("relu")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="fixed_dtype's fn must be a function, got NoneType"):
-        fmp.fixed_dtype(None, torch.float32)  # type: ignore[arg-type]
+        fmp.autocast.fixed_dtype(None, torch.float32)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="module_policies' fn must be a function, got int"):
-        fmp.module_policies(3, torch.nn.Linear(2, 2), {})  # type: ignore[arg-type]
+        fmp.autocast.module_policies(3, torch.nn.Linear(2, 2), {})  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ from conftest import TOLERANCES
 from torch import nn
 
 from fmp.autocast import autocast
-from fmp.autocast_rules import CPU
+from fmp.autocast._rules import CPU
 
 LOW = [torch.bfloat16, torch.float16]
 

@@ -87,7 +87,7 @@ def test_a_static_scale_is_always_at_its_minimum() -> None:
     assert int(state.counts.stalled) == 1 and int(state.counts.skipped) == 3
     with pytest.raises(
         fmp.LossScaleStalledError,
-        match=r"\(128\.0\).*use a lower fixed scale or a DynamicLossScale\. fmp\.locate_nonfinite",
+        match=r"\(128\.0\).*use a lower fixed scale or a DynamicLossScale\. fmp\.debug\.locate_nonfinite",
     ):
         fmp.raise_if_stalled(state, patience=1)
 
@@ -100,7 +100,7 @@ def test_raise_if_stalled_fails_fast_only_past_patience() -> None:
     fmp.raise_if_stalled(state, patience=3)
     with pytest.raises(
         fmp.LossScaleStalledError,
-        match=r"last 2 optimizer steps were all skipped.*\(1\.0\).*min_scale\. fmp\.locate_nonfinite",
+        match=r"last 2 optimizer steps were all skipped.*\(1\.0\).*min_scale\. fmp\.debug\.locate_nonfinite",
     ):
         fmp.raise_if_stalled(state, patience=2)
     recovered = run(state, [True])

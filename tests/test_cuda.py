@@ -22,6 +22,7 @@ from conftest import mlp_params
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import fmp
+from fmp._scaler import compiled_unscale_and_adjust
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -165,12 +166,12 @@ def test_fused_unscale_matches_eager_and_grad_scalers_kernel(dtype: torch.dtype)
         step_grads = [g.clone() for g in grads]
         if poisoned is not None:
             step_grads[poisoned].view(-1)[poisoned * 5] = float("nan")
-        fused = fmp.fused_unscale_and_adjust(scaler, step_grads)
+        fused = compiled_unscale_and_adjust(scaler, step_grads)
         assert_trees_bitwise_equal(fused, fmp.unscale_and_adjust(scaler, step_grads))
         assert bool(fused[1]) == (poisoned is None)
     if dtype == torch.bfloat16:
         return  # GradScaler's CUDA kernel does not take bfloat16 gradients (NotImplementedError)
-    unscaled, _, _ = fmp.fused_unscale_and_adjust(scaler, grads)
+    unscaled, _, _, _ = compiled_unscale_and_adjust(scaler, grads)
     reference = [g.clone() for g in grads]
     found_inf = torch.zeros(1, device=CUDA)
     inverse = torch.full((1,), 3.0, dtype=torch.float64, device=CUDA).reciprocal().float()
@@ -196,7 +197,7 @@ def test_gradient_buffer_loop_matches_grad_scaler_with_fused_adamw_and_never_syn
     optimizer = torch.optim.AdamW(ours.parameters(), lr=1e-2, fused=True)
     reference_optimizer = torch.optim.AdamW(theirs.parameters(), lr=1e-2, fused=True)
     grad_scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=3)
-    grads = fmp.GradientBuffer.attach(ours.parameters())
+    grads = fmp.interop.GradientBuffer.attach(ours.parameters())
     scaler = fmp.DynamicLossScale.create(2.0**10, growth_interval=3, device=CUDA)
     gen = torch.Generator().manual_seed(2)
     data = [torch.randn(16, 64, generator=gen).to(CUDA) for _ in range(9)]
@@ -229,9 +230,9 @@ def test_fused_unscale_and_clip_matches_eager(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
     grads = [(torch.randn(shape, generator=gen) * 3000).to(dtype).to(CUDA) for shape in [(3,), (4097,), (33, 17)]]
     scaler = fmp.DynamicLossScale.create(init_scale=1024.0, device=CUDA)
-    eager = fmp.unscale_clip_and_adjust(scaler, grads, 1.0)
+    eager = fmp.unscale_and_adjust(scaler, grads, max_norm=1.0)
     donated = [g.clone() for g in grads]
-    fused = fmp.fused_unscale_clip_and_adjust(scaler, donated, 1.0, donate=True)
+    fused = compiled_unscale_and_adjust(scaler, donated, max_norm=1.0, donate=True)
     assert all(ours.data_ptr() == buffer.data_ptr() for ours, buffer in zip(fused[0], donated, strict=True))
     assert_trees_close(fused[0], eager[0], **TOLERANCES[dtype])
     assert_trees_close(fused[2], eager[2], **TOLERANCES[dtype])
@@ -276,9 +277,9 @@ def test_locate_nonfinite_names_a_float16_overflow_on_the_gpu() -> None:
     model, params, x, y = mlp(hidden_scale=1e5)
     model.to(CUDA)
     params, x, y = pytree.tree_map(lambda t: t.to(CUDA), (params, x, y))
-    report = fmp.locate_nonfinite(loss_of(model), params, x, y, policy=FP16)
+    report = fmp.debug.locate_nonfinite(loss_of(model), params, x, y, policy=FP16)
     assert report.forward is not None and (report.forward.op, report.forward.module) == ("linear", "2.0")
     scaler = fmp.StaticLossScale.create(2.0**30, device=CUDA)
-    report = fmp.locate_nonfinite(loss_of(model), params, x, y, policy=FP16, scaler=scaler)
+    report = fmp.debug.locate_nonfinite(loss_of(model), params, x, y, policy=FP16, scaler=scaler)
     grads = fmp.mixed_precision_grad(loss_of(model), params, scaler, x, y, policy=FP16)
     assert report.finite == bool(grads.grads_finite) and report.backward is not None

@@ -1,4 +1,4 @@
-"""fmp.locate_nonfinite: names the op and module where inf or NaN first appear, and agrees with the step."""
+"""fmp.debug.locate_nonfinite: names the op and module where inf or NaN first appear, and agrees with the step."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def loss_of(model: nn.Module) -> Any:
 
 def test_a_float16_forward_overflow_is_named_with_its_module_and_absorbed_by_tanh() -> None:
     model, params, x, y = mlp(hidden_scale=1e5)
-    report = fmp.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16)
+    report = fmp.debug.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16)
     origin = report.forward
     assert origin is not None and (origin.op, origin.module, origin.node) == ("linear", "2.0", "")
     assert origin.output_dtypes == (torch.float16,) and set(origin.input_dtypes) == {torch.float16}
@@ -57,7 +57,7 @@ def test_a_float16_forward_overflow_is_named_with_its_module_and_absorbed_by_tan
 def test_the_report_agrees_with_the_step_leaf_by_leaf(log2_scale: int, seed: int, hidden_scale: float) -> None:
     model, params, x, y = mlp(seed, hidden_scale)
     scaler = fmp.StaticLossScale.create(2.0**log2_scale)
-    report = fmp.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16, scaler=scaler)
+    report = fmp.debug.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16, scaler=scaler)
     grads = fmp.mixed_precision_grad(loss_of(model), params, scaler, x, y, policy=FLOAT16)
     expected = tuple(f"params[{k!r}]" for k, g in grads.grads.items() if not bool(torch.isfinite(g).all()))
     assert report.nonfinite_grads == expected and report.finite == bool(grads.grads_finite)
@@ -73,13 +73,13 @@ def test_the_report_agrees_with_the_step_leaf_by_leaf(log2_scale: int, seed: int
 def test_a_backward_overflow_inside_a_module_names_the_module_and_the_gradient_function() -> None:
     model, params, x, y = mlp(hidden_scale=300.0)
     scaler = fmp.StaticLossScale.create(2.0**15)
-    report = fmp.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16, scaler=scaler)
+    report = fmp.debug.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16, scaler=scaler)
     assert report.backward is not None and not report.finite
     assert (report.backward.op, report.backward.node, report.backward.module) == ("linear", "AddmmBackward0", "3")
     assert "the scaled backward pass overflowed" in str(report)
     # Past 65504 the gradient reaching the model's float16 output overflows first, in the cast
     # the policy's output rule made outside any module.
-    report = fmp.locate_nonfinite(
+    report = fmp.debug.locate_nonfinite(
         loss_of(model), params, x, y, policy=FLOAT16, scaler=fmp.StaticLossScale.create(2.0**30)
     )
     assert report.backward is not None and (report.backward.op, report.backward.module) == ("to", "")
@@ -90,7 +90,7 @@ def test_a_backward_overflow_inside_a_module_names_the_module_and_the_gradient_f
 def test_nan_in_the_batch_is_named_and_not_blamed_on_any_op(policy: str) -> None:
     model, params, x, y = mlp()
     x[1, 3] = float("nan")
-    report = fmp.locate_nonfinite(loss_of(model), params, x, y, policy=fmp.get_policy(policy))
+    report = fmp.debug.locate_nonfinite(loss_of(model), params, x, y, policy=fmp.get_policy(policy))
     assert report.nonfinite_inputs == ("args[0]",) and report.forward is None and report.backward is None
     assert set(report.nonfinite_grads) == {f"params[{k!r}]" for k in params} and not report.finite
     assert "check the batch" in str(report)
@@ -103,7 +103,7 @@ def test_a_float32_log_of_zero_is_located_outside_any_module() -> None:
         out = torch.func.functional_call(model, params, (x,))
         return (out - y).square().mean() + torch.log(out - out).mean()
 
-    report = fmp.locate_nonfinite(loss_fn, params, x, y, policy=fmp.Policy())
+    report = fmp.debug.locate_nonfinite(loss_fn, params, x, y, policy=fmp.Policy())
     assert report.forward is not None and (report.forward.op, report.forward.module) == ("log", "")
     assert report.forward.output_dtypes == (torch.float32,) and report.loss == float("-inf")
     assert "a log of 0" in str(report) and not report.finite
@@ -117,7 +117,7 @@ def test_nothing_is_updated_and_the_hooks_are_removed() -> None:
         len(nn.modules.module._global_forward_pre_hooks),
         len(nn.modules.module._global_forward_hooks),
     )
-    report = fmp.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16, scaler=scaler)
+    report = fmp.debug.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16, scaler=scaler)
     assert report.loss_scale == 2.0**16
     assert_trees_bitwise_equal((params, scaler, x, y), before)
     assert not any(p.requires_grad for p in params.values())
@@ -127,18 +127,18 @@ def test_nothing_is_updated_and_the_hooks_are_removed() -> None:
 def test_bad_calls_raise_clear_errors() -> None:
     model, params, x, y = mlp()
     with pytest.raises(RuntimeError, match="call it eagerly"):
-        torch.func.grad(lambda p: fmp.locate_nonfinite(loss_of(model), p, x, y, policy=FLOAT16).loss)(params)
+        torch.func.grad(lambda p: fmp.debug.locate_nonfinite(loss_of(model), p, x, y, policy=FLOAT16).loss)(params)
     with pytest.raises(TypeError, match=r"policy must be an fmp\.Policy"):
-        fmp.locate_nonfinite(loss_of(model), params, x, y, policy="compute=float16")  # type: ignore[arg-type]
+        fmp.debug.locate_nonfinite(loss_of(model), params, x, y, policy="compute=float16")  # type: ignore[arg-type]
     ensemble = fmp.stack_trees([fmp.DynamicLossScale.create()] * 2)
     with pytest.raises(
         ValueError, match=r"loss_scale has shape \(2,\), but .* or take one member with fmp\.unstack_tree"
     ):
-        fmp.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16, scaler=ensemble)
+        fmp.debug.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16, scaler=ensemble)
     with pytest.raises(TypeError, match="0-dim floating loss"):
-        fmp.locate_nonfinite(lambda p, x, y: loss_of(model)(p, x, y)[None], params, x, y, policy=FLOAT16)
+        fmp.debug.locate_nonfinite(lambda p, x, y: loss_of(model)(p, x, y)[None], params, x, y, policy=FLOAT16)
     with pytest.raises(TypeError, match=r"nn\.Parameter"):
-        fmp.locate_nonfinite(loss_of(model), dict(model.named_parameters()), x, y, policy=FLOAT16)
+        fmp.debug.locate_nonfinite(loss_of(model), dict(model.named_parameters()), x, y, policy=FLOAT16)
 
 
 class Attention(nn.Module):
@@ -158,7 +158,7 @@ class Attention(nn.Module):
         scores = (q @ k.transpose(-1, -2) + mask).masked_fill(dropped, float("-inf"))
         h = scores.softmax(-1) @ v
         h *= gain  # in place: its input is read before it runs
-        return (fmp.remat(self.mlp) if self.remat else self.mlp)(h).exp()
+        return (fmp.remat.remat(self.mlp) if self.remat else self.mlp)(h).exp()
 
 
 def attention_loss(model: nn.Module, gain: float) -> Any:
@@ -174,19 +174,19 @@ def test_masks_in_place_ops_remat_and_the_outermost_module_are_reported_as_they_
     params = {k: v.detach() for k, v in model.named_parameters()}
     x = torch.randn(2, 5, 8)
     # The -inf masks are made on purpose: no overflow. An in-place op that overflows is named.
-    report = fmp.locate_nonfinite(attention_loss(model, 1.0), params, x, policy=FLOAT16)
+    report = fmp.debug.locate_nonfinite(attention_loss(model, 1.0), params, x, policy=FLOAT16)
     assert report.forward is None and report.finite and "forward: no overflow, no NaN" in str(report)
-    report = fmp.locate_nonfinite(attention_loss(model, 1e5), params, x, policy=FLOAT16)
+    report = fmp.debug.locate_nonfinite(attention_loss(model, 1e5), params, x, policy=FLOAT16)
     assert report.forward is not None and (report.forward.op, report.forward.module) == ("mul_", "")
     assert "in the outermost module (Attention): inf in its float16 output" in str(report)
     # A row masked whole: the softmax makes NaN from inputs holding only -inf besides finite values.
-    report = fmp.locate_nonfinite(attention_loss(Attention(whole_rows=True), 1.0), params, x, policy=FLOAT16)
+    report = fmp.debug.locate_nonfinite(attention_loss(Attention(whole_rows=True), 1.0), params, x, policy=FLOAT16)
     assert report.forward is not None and (report.forward.op, report.forward.made) == ("softmax", "NaN")
     assert "from float32 inputs holding inf (finite values of magnitude at most" in str(report) and not report.finite
     # A scaled backward overflow is placed in the same op with the MLP rematerialized or not.
     scaler = fmp.StaticLossScale.create(2.0**20)
     reports = [
-        fmp.locate_nonfinite(attention_loss(m, 1.0), params, x, policy=FLOAT16, scaler=scaler)
+        fmp.debug.locate_nonfinite(attention_loss(m, 1.0), params, x, policy=FLOAT16, scaler=scaler)
         for m in (model, Attention(remat=True))
     ]
     assert reports[0].backward is not None and reports[0].backward.module_type in {"Linear", "Attention", "GELU"}
@@ -205,7 +205,7 @@ def test_a_vmap_inside_the_loss_and_the_caller_state_are_left_alone() -> None:
 
     torch.manual_seed(3)
     before = pytree.tree_map(torch.clone, buffers), torch.get_rng_state()
-    report = fmp.locate_nonfinite(loss_fn, params, buffers, x, policy=FLOAT16)
+    report = fmp.debug.locate_nonfinite(loss_fn, params, buffers, x, policy=FLOAT16)
     assert report.finite and report.loss > 0
     assert_trees_bitwise_equal((buffers, torch.get_rng_state()), before)
 
@@ -231,12 +231,12 @@ def test_the_modules_own_buffers_are_put_back_after_the_forward_and_backward() -
     buffers = dict(model.named_buffers())
     before = {k: v.clone() for k, v in buffers.items()}
     x, y = torch.randn(4, 8), torch.randn(4, 1)
-    report = fmp.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16)
+    report = fmp.debug.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16)
     assert report.backward is not None and report.backward.module == "4" and not report.finite
     # The same tensors, holding the same values: running statistics, batch count and counter.
     assert all(model.get_buffer(k) is v for k, v in buffers.items())
     assert_trees_bitwise_equal(dict(model.named_buffers()), before)
-    assert fmp.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16) == report
+    assert fmp.debug.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16) == report
 
 
 class Lazy(nn.Module):
@@ -270,7 +270,7 @@ def test_buffers_swapped_in_added_or_read_outside_functional_call_are_undone() -
         return swapped.float().square().mean() + torch.func.functional_call(model, in_float32, (x.float(),)).mean()
 
     policy = fmp.get_policy("params=float32,compute=bfloat16,output=float32,rules=none")
-    report = fmp.locate_nonfinite(loss_fn, params, own, torch.randn(4, 8), policy=policy)
+    report = fmp.debug.locate_nonfinite(loss_fn, params, own, torch.randn(4, 8), policy=policy)
     assert report.finite
     assert dict(model.named_buffers()).keys() == own.keys() and model[2].scale is None
     assert all(model.get_buffer(k) is v for k, v in own.items())
@@ -280,16 +280,16 @@ def test_buffers_swapped_in_added_or_read_outside_functional_call_are_undone() -
 def test_what_the_step_refuses_is_refused_here_too() -> None:
     model, params, x, y = mlp()
     with pytest.raises(ValueError, match=r"reads 6 nn\.Parameter"):
-        fmp.locate_nonfinite(lambda p, x, y: nn.functional.mse_loss(model(x), y), params, x, y, policy=FLOAT16)
+        fmp.debug.locate_nonfinite(lambda p, x, y: nn.functional.mse_loss(model(x), y), params, x, y, policy=FLOAT16)
     with pytest.raises(TypeError, match=r"with has_aux=True, loss_fn must return \(loss, aux\)"):
-        fmp.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16, has_aux=True)
+        fmp.debug.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16, has_aux=True)
     with pytest.raises(TypeError, match=r"params\['steps'\] is torch\.int64"):
-        fmp.locate_nonfinite(
+        fmp.debug.locate_nonfinite(
             loss_of(model), {**params, "steps": torch.zeros((), dtype=torch.int64)}, x, y, policy=FLOAT16
         )
     scalers = (fmp.DynamicLossScale.create(), fmp.DynamicLossScale.create())
     with pytest.raises(TypeError, match=r"takes one scaler.*scaler=state\.scaler\[i\]"):
-        fmp.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16, scaler=scalers)  # type: ignore[arg-type]
+        fmp.debug.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16, scaler=scalers)  # type: ignore[arg-type]
 
 
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state:UserWarning")
@@ -308,7 +308,7 @@ def test_an_absorbed_forward_overflow_is_said_to_be_absorbed_and_sparse_inputs_a
     params = {"w": torch.randn(8, 8)}
     extra = torch.zeros(2, 3).to_sparse_csr()
     scaler = fmp.StaticLossScale.create(2.0**40)
-    report = fmp.locate_nonfinite(loss_fn, params, x, extra, policy=FLOAT16, scaler=scaler)
+    report = fmp.debug.locate_nonfinite(loss_fn, params, x, extra, policy=FLOAT16, scaler=scaler)
     assert report.forward is not None and report.forward.made == "inf" and not math.isnan(report.loss)
     assert report.backward is not None and not report.finite
     text = str(report)

@@ -1,4 +1,4 @@
-"""fmp.locate_nonfinite on origins easy to miss: masked ops' backward, indexed writes, custom Functions, the seed."""
+"""locate_nonfinite on origins easy to miss: masked ops' backward, indexed writes, custom Functions, the seed."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def test_a_masked_ops_backward_that_makes_nan_is_named(loss_fn: Any, op: str) ->
     x[0] = 0  # log(0) = -inf; for exp, 100 on the diagonal overflows
     if op == "exp":
         x[0] = 1
-    report = fmp.locate_nonfinite(loss_fn, params, x, policy=F32)
+    report = fmp.debug.locate_nonfinite(loss_fn, params, x, policy=F32)
     assert report.forward is not None and report.forward.op == op and not report.finite
     backward = report.backward
     assert backward is not None and (backward.op, backward.made) == (op, "NaN")
@@ -48,7 +48,7 @@ def test_a_masked_ops_backward_that_makes_nan_is_named(loss_fn: Any, op: str) ->
 def test_a_masked_ops_backward_nan_is_named_where_the_op_also_carries_an_inf_on() -> None:
     # The inf comes in with a constant, so no forward op made it; log's backward still makes NaN at
     # the masked log(0), at another element.
-    report = fmp.locate_nonfinite(masked_log_beside_an_inf, {"w": torch.eye(4)}, torch.eye(4)[:3] * 0, policy=F32)
+    report = fmp.debug.locate_nonfinite(masked_log_beside_an_inf, {"w": torch.eye(4)}, torch.eye(4)[:3] * 0, policy=F32)
     backward = report.backward
     assert backward is not None and (backward.op, backward.made) == ("log", "NaN") and not report.finite
 
@@ -101,7 +101,7 @@ UNMASKED = {
 @pytest.mark.parametrize("name", UNMASKED)
 def test_an_overflow_that_reaches_the_loss_is_named_in_the_forward_only(name: str) -> None:
     # A backward meeting the forward's inf passes it on (grad * inf): it makes nothing the forward did not.
-    report = fmp.locate_nonfinite(UNMASKED[name], {"w": torch.eye(2) * 100}, torch.ones(2, 2), policy=F32)
+    report = fmp.debug.locate_nonfinite(UNMASKED[name], {"w": torch.eye(2) * 100}, torch.ones(2, 2), policy=F32)
     assert report.forward is not None and report.forward.op == "exp" and report.backward is None
 
 
@@ -111,7 +111,7 @@ def test_an_overflow_in_an_indexed_write_is_named() -> None:
         out[:] = x @ params["w"] * 1000  # float32 values past 65504, written into a float16 buffer
         return out.float().mean()
 
-    report = fmp.locate_nonfinite(loss_fn, {"w": torch.eye(2) * 100}, torch.eye(2), policy=F32)
+    report = fmp.debug.locate_nonfinite(loss_fn, {"w": torch.eye(2) * 100}, torch.eye(2), policy=F32)
     origin = report.forward
     assert origin is not None and (origin.op, origin.made) == ("__setitem__", "inf")
     assert origin.output_dtypes == (torch.float16,)
@@ -149,7 +149,7 @@ def test_nan_made_by_a_custom_functions_backward_names_the_function_and_its_modu
     # The Function runs in `child`; its output is read in the parent.
     model = Parent()
     loss_fn = lambda p, x: model(x @ p["w"])  # noqa: E731
-    report = fmp.locate_nonfinite(loss_fn, {"w": torch.eye(4)}, torch.ones(2, 4), policy=F32)
+    report = fmp.debug.locate_nonfinite(loss_fn, {"w": torch.eye(4)}, torch.ones(2, 4), policy=F32)
     backward = report.backward
     assert backward is not None and (backward.op, backward.node) == ("NanBackward.apply", "NanBackwardBackward")
     assert (backward.module, backward.module_type) == ("child", "Child")
@@ -162,7 +162,7 @@ def test_a_float16_loss_that_cannot_carry_the_scaled_seed_is_explained() -> None
     policy = fmp.get_policy("p=f32,c=f16,o=f16")
     loss_fn = lambda p, x: torch.func.functional_call(model, p, (x,)).sum()  # noqa: E731
     scaler = fmp.DynamicLossScale.create()
-    report = fmp.locate_nonfinite(loss_fn, params, torch.ones(2, 4), policy=policy, scaler=scaler)
+    report = fmp.debug.locate_nonfinite(loss_fn, params, torch.ones(2, 4), policy=policy, scaler=scaler)
     backward = report.backward
     assert backward is not None and backward.op == "" and backward.node.startswith("ToCopyBackward")
     text = str(report)
@@ -179,7 +179,7 @@ def test_a_backward_nan_that_never_reaches_the_gradients_gets_no_step_advice() -
         return torch.minimum((torch.relu(x @ p["w"] - 10) + offset).norm(), torch.tensor(1.0))
 
     scaler = fmp.DynamicLossScale.create()
-    report = fmp.locate_nonfinite(loss_fn, {"w": torch.eye(2)}, torch.ones(1, 2), policy=F32, scaler=scaler)
+    report = fmp.debug.locate_nonfinite(loss_fn, {"w": torch.eye(2)}, torch.ones(1, 2), policy=F32, scaler=scaler)
     assert report.finite and report.backward is not None
     assert "gradients: finite" in str(report) and "backs off" not in str(report)
 
@@ -192,7 +192,7 @@ def test_a_mask_filled_with_minus_inf_before_a_softmax_is_no_origin() -> None:
     def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         return (x @ params["w"]).masked_fill(mask, float("-inf")).softmax(-1).sum()
 
-    report = fmp.locate_nonfinite(loss_fn, {"w": torch.randn(6, 6)}, torch.randn(3, 6), policy=F32)
+    report = fmp.debug.locate_nonfinite(loss_fn, {"w": torch.randn(6, 6)}, torch.randn(3, 6), policy=F32)
     assert report.forward is None and report.finite
 
 
@@ -210,5 +210,5 @@ def test_the_origin_is_named_in_the_largest_module_that_ran() -> None:
         return nn.functional.mse_loss(out, y) + 0 * inner.sum().clamp(max=0)
 
     policy = fmp.get_policy("params=float32,compute=float16,output=float32")
-    report = fmp.locate_nonfinite(loss_fn, params, torch.randn(4, 8), torch.randn(4, 1), policy=policy)
+    report = fmp.debug.locate_nonfinite(loss_fn, params, torch.randn(4, 8), torch.randn(4, 1), policy=policy)
     assert report.forward is not None and (report.forward.module, report.forward.module_type) == ("2.0", "Linear")

@@ -277,7 +277,7 @@ def test_agreeing_on_flags_takes_either_kind_of_collective(group_of_one: None) -
         agreed = fmp.distributed.agree_finite(flags, collectives=collectives)  # type: ignore[arg-type]
         assert [bool(f) for f in agreed] == [True, False]
         scaler = fmp.DynamicLossScale.create(init_scale=8.0)
-        grads, finite, new = fmp.distributed.unscale_and_adjust(
+        grads, finite, _, new = fmp.distributed.unscale_and_adjust(
             scaler,
             {"w": torch.full((2,), 16.0)},
             collectives=collectives,  # type: ignore[arg-type]

@@ -34,7 +34,7 @@ shapes = st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple)
 @given(st.lists(st.tuples(shapes, st.sampled_from(DTYPES)), min_size=1, max_size=8))
 def test_each_grad_is_an_aligned_view_into_its_dtypes_buffer(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> None:
     params = [torch.zeros(shape, dtype=dtype, requires_grad=True) for shape, dtype in specs]
-    buffer = fmp.GradientBuffer.attach(params)
+    buffer = fmp.interop.GradientBuffer.attach(params)
     flat = buffer.flat()
     first_seen = list(dict.fromkeys(dtype for _, dtype in specs))
     assert [b.dtype for b in flat] == first_seen
@@ -57,7 +57,7 @@ def test_each_grad_is_an_aligned_view_into_its_dtypes_buffer(specs: list[tuple[t
 
 def test_backward_accumulates_into_the_views_exactly_as_into_tensors_of_their_own() -> None:
     model, twin = make_model(), make_model()
-    buffer = fmp.GradientBuffer.attach(model.parameters())
+    buffer = fmp.interop.GradientBuffer.attach(model.parameters())
     views = [p.grad for p in model.parameters()]
     for seed in range(2):  # the second backward accumulates onto the first
         x = torch.randn(5, 6, generator=torch.Generator().manual_seed(seed))
@@ -77,7 +77,7 @@ def test_attach_moves_the_gradients_accumulated_so_far_into_the_buffer() -> None
     first = next(model.parameters())
     first.grad = torch.randn(6, 16).t()  # a gradient with other strides than its parameter's
     before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    (flat,) = fmp.GradientBuffer.attach(model.parameters()).flat()
+    (flat,) = fmp.interop.GradientBuffer.attach(model.parameters()).flat()
     for param, grad in zip(model.parameters(), before, strict=True):
         assert param.grad is not None and torch.equal(param.grad, grad)
         assert param.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
@@ -88,7 +88,7 @@ def test_a_dense_parameter_keeps_its_strides_and_its_gradient() -> None:
     """A transposed weight's gradient is strided as the weight, as autograd and fused optimizers expect."""
     weight = nn.Parameter(torch.randn(16, 6).t())
     twin = nn.Parameter(weight.detach().clone())
-    fmp.GradientBuffer.attach([weight])
+    fmp.interop.GradientBuffer.attach([weight])
     x = torch.randn(4, 6)
     (x @ weight).square().sum().backward()
     (x @ twin).square().sum().backward()
@@ -99,7 +99,7 @@ def test_a_dense_parameter_keeps_its_strides_and_its_gradient() -> None:
 
 def test_zero_grad_to_none_is_named_and_zero__reattaches() -> None:
     model = make_model()
-    buffer = fmp.GradientBuffer.attach(model.parameters())
+    buffer = fmp.interop.GradientBuffer.attach(model.parameters())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_of(model, torch.randn(5, 6)).backward()
     optimizer.zero_grad(set_to_none=False)  # zeros the views in place: still attached
@@ -119,7 +119,7 @@ def test_zero_grad_to_none_is_named_and_zero__reattaches() -> None:
 
 def test_a_model_cast_after_attach_is_named() -> None:
     model = make_model()
-    buffer = fmp.GradientBuffer.attach(model.parameters())
+    buffer = fmp.interop.GradientBuffer.attach(model.parameters())
     model.double()  # rebinds each .grad's data: the same tensor object, new memory
     with pytest.raises(RuntimeError, match=r"params\[0\] .* moved or cast \(.to\(\), .half\(\)\) after attach"):
         buffer.flat()
@@ -127,7 +127,7 @@ def test_a_model_cast_after_attach_is_named() -> None:
 
 def test_gradients_are_not_unscaled_twice() -> None:
     model = make_model()
-    buffer = fmp.GradientBuffer.attach(model.parameters())
+    buffer = fmp.interop.GradientBuffer.attach(model.parameters())
     scaler = fmp.StaticLossScale.create(4.0)
     with torch.compiler.set_stance("force_eager"):  # the subject is the bookkeeping, not the kernel
         loss_of(model, torch.randn(5, 6)).backward()
@@ -185,13 +185,13 @@ BAD_PARAMS: dict[str, tuple[Callable[[], list[Any]], type[Exception], str]] = {
 def test_bad_params_are_named(case: str) -> None:
     make, error, message = BAD_PARAMS[case]
     with pytest.raises(error, match=message):
-        fmp.GradientBuffer.attach(make())
+        fmp.interop.GradientBuffer.attach(make())
 
 
 def test_a_parameter_listed_twice_is_named_and_nothing_is_attached() -> None:
     shared = torch.zeros(3, requires_grad=True)
     with pytest.raises(ValueError, match=r"params\[2\] .* listed twice, as params\[0\] and params\[2\]"):
-        fmp.GradientBuffer.attach([shared, torch.zeros(2, requires_grad=True), shared])
+        fmp.interop.GradientBuffer.attach([shared, torch.zeros(2, requires_grad=True), shared])
     assert shared.grad is None
 
 
@@ -219,7 +219,7 @@ def test_a_training_loop_matches_grad_scaler_with_fused_adamw_bit_for_bit(
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     reference_optimizer = torch.optim.AdamW(twin.parameters(), lr=1e-2, fused=True)
     grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
-    buffer = fmp.GradientBuffer.attach(model.parameters(), compiled=mode != "not-compiled")
+    buffer = fmp.interop.GradientBuffer.attach(model.parameters(), compiled=mode != "not-compiled")
     scaler = fmp.DynamicLossScale.create(2.0**10, growth_interval=3)
     gen = torch.Generator().manual_seed(1)
     skipped = 0
@@ -253,7 +253,7 @@ def test_a_training_loop_matches_grad_scaler_with_fused_adamw_bit_for_bit(
 def test_unscale_writes_the_unscaled_values_over_the_gradients_and_checks_them(stance: str) -> None:
     torch._dynamo.reset()
     params = [torch.zeros(3, requires_grad=True), torch.zeros(2, 2, dtype=torch.complex64, requires_grad=True)]
-    buffer = fmp.GradientBuffer.attach(params)
+    buffer = fmp.interop.GradientBuffer.attach(params)
     params[0].grad.copy_(torch.tensor([4.0, -8.0, 0.5]))  # type: ignore[union-attr]
     params[1].grad.fill_(2.0 + 4.0j)  # type: ignore[union-attr]
     flat = buffer.flat()
@@ -275,7 +275,7 @@ def zero_size_and_real() -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("make", [lambda: [torch.zeros(0, 3, requires_grad=True)], zero_size_and_real])
 def test_zero_size_parameters_unscale_to_finite(make: Callable[[], list[torch.Tensor]]) -> None:
-    buffer = fmp.GradientBuffer.attach(make())
+    buffer = fmp.interop.GradientBuffer.attach(make())
     with torch.compiler.set_stance("force_eager"):
         grads_finite, _ = buffer.unscale_(fmp.StaticLossScale.create(2.0))
     assert bool(grads_finite)
@@ -289,7 +289,9 @@ OPTIMIZERS_THAT_SKIP: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optim
 }
 
 
-def step_on(model: nn.Module, buffer: fmp.GradientBuffer, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> bool:
+def step_on(
+    model: nn.Module, buffer: fmp.interop.GradientBuffer, optimizer: torch.optim.Optimizer, x: torch.Tensor
+) -> bool:
     """One step of the README's loop with a static scale; returns whether its gradients were finite."""
     with torch.compiler.set_stance("force_eager"):
         loss_of(model, x).backward()
@@ -303,7 +305,7 @@ def step_on(model: nn.Module, buffer: fmp.GradientBuffer, optimizer: torch.optim
 def test_a_skipped_step_leaves_params_and_optimizer_state_bit_for_bit(name: str) -> None:
     model = make_model()
     optimizer = OPTIMIZERS_THAT_SKIP[name](list(model.parameters()))
-    buffer = fmp.GradientBuffer.attach(model.parameters())
+    buffer = fmp.interop.GradientBuffer.attach(model.parameters())
     poisoned = torch.randn(5, 6)
     poisoned[0, 0] = float("inf")
 
@@ -352,7 +354,7 @@ def test_step_refuses_optimizers_that_would_apply_an_overflowed_step(case: str) 
     model = make_model()
     make, message = REFUSED[case]
     optimizer = make(list(model.parameters()))
-    buffer = fmp.GradientBuffer.attach(model.parameters())
+    buffer = fmp.interop.GradientBuffer.attach(model.parameters())
     params_before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(TypeError, match=message):
         buffer.step(optimizer, torch.tensor(False))
@@ -361,7 +363,7 @@ def test_step_refuses_optimizers_that_would_apply_an_overflowed_step(case: str) 
 
 def test_step_names_a_wrong_finite_flag() -> None:
     model = make_model()
-    buffer = fmp.GradientBuffer.attach(model.parameters())
+    buffer = fmp.interop.GradientBuffer.attach(model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), fused=True)
     with pytest.raises(ValueError, match=r"grads_finite must be a 0-dim bool tensor"):
         buffer.step(optimizer, torch.tensor([True]))
@@ -369,13 +371,13 @@ def test_step_names_a_wrong_finite_flag() -> None:
 
 def test_compiled_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="compiled must be a bool, got int"):
-        fmp.GradientBuffer.attach([torch.zeros(2, requires_grad=True)], compiled=1)  # type: ignore[arg-type]
+        fmp.interop.GradientBuffer.attach([torch.zeros(2, requires_grad=True)], compiled=1)  # type: ignore[arg-type]
 
 
 def test_step_names_an_optimizer_parameter_outside_the_buffer() -> None:
     # unscale_ never sees its gradient: the optimizer would apply it times the loss scale.
     model, other = make_model(), torch.nn.Linear(2, 1)
-    buffer = fmp.GradientBuffer.attach(model.parameters())
+    buffer = fmp.interop.GradientBuffer.attach(model.parameters())
     optimizer = torch.optim.AdamW([*model.parameters(), *other.parameters()], fused=True)
     for param in other.parameters():
         param.grad = torch.ones_like(param)  # written by a backward, never unscaled
@@ -394,14 +396,14 @@ def test_step_names_an_optimizer_parameter_outside_the_buffer() -> None:
     buffer.step(optimizer, torch.tensor(True))
     assert all(torch.equal(p, b) for p, b in zip(other.parameters(), before[-2:], strict=True))
     # Parameters in another buffer (one per device, say) are another unscale_'s.
-    fmp.GradientBuffer.attach(other.requires_grad_().parameters())
+    fmp.interop.GradientBuffer.attach(other.requires_grad_().parameters())
     buffer.step(optimizer, torch.tensor(True))
 
 
 def test_a_buffer_attached_again_leaves_no_hooks_of_the_old_one() -> None:
     model = make_model()
     for _ in range(3):  # as after moving the model, which the errors advise
-        buffer = fmp.GradientBuffer.attach(model.parameters(), compiled=False)
+        buffer = fmp.interop.GradientBuffer.attach(model.parameters(), compiled=False)
     gc.collect()
     assert all(len(p._post_accumulate_grad_hooks or {}) == 1 for p in model.parameters())
     del buffer
@@ -411,7 +413,7 @@ def test_a_buffer_attached_again_leaves_no_hooks_of_the_old_one() -> None:
 
 def test_a_shallow_copy_keeps_seeing_backwards_after_the_original_is_gone() -> None:
     model = make_model()
-    original = fmp.GradientBuffer.attach(model.parameters(), compiled=False)
+    original = fmp.interop.GradientBuffer.attach(model.parameters(), compiled=False)
     handle = copy.copy(original)
     del original
     gc.collect()
@@ -423,7 +425,7 @@ def test_a_shallow_copy_keeps_seeing_backwards_after_the_original_is_gone() -> N
 
 def test_named_parameters_attach_alike_and_their_names_are_given() -> None:
     model = make_model()
-    buffer = fmp.GradientBuffer.attach(model.named_parameters(), compiled=False)
+    buffer = fmp.interop.GradientBuffer.attach(model.named_parameters(), compiled=False)
     assert all(p.grad is not None for p in model.parameters())
     model.zero_grad()  # sets .grad to None
     with pytest.raises(
@@ -431,19 +433,19 @@ def test_named_parameters_attach_alike_and_their_names_are_given() -> None:
     ):
         buffer.flat()
     by_name = make_model()
-    fmp.GradientBuffer.attach(dict(by_name.named_parameters()), compiled=False)  # a dict gives its items
+    fmp.interop.GradientBuffer.attach(dict(by_name.named_parameters()), compiled=False)  # a dict gives its items
     assert by_name[0].weight.grad is not None and by_name[0].weight.grad._base is not None
     frozen = make_model()
     frozen[0].weight.requires_grad_(False)
     with pytest.raises(ValueError, match=r"params\[0\] \('0\.weight', shape .* does not require grad"):
-        fmp.GradientBuffer.attach(frozen.named_parameters())
+        fmp.interop.GradientBuffer.attach(frozen.named_parameters())
 
 
 def test_zero__clears_the_padding_a_non_finite_clip_wrote() -> None:
     # A NaN norm makes a NaN clip factor, multiplied over the whole buffer, padding included; a
     # padding left NaN would make every later norm NaN and skip every later step.
     param = torch.nn.Parameter(torch.randn(10, generator=torch.Generator().manual_seed(0)))
-    buffer = fmp.GradientBuffer.attach([param], compiled=False)
+    buffer = fmp.interop.GradientBuffer.attach([param], compiled=False)
     scaler = fmp.DynamicLossScale.create(init_scale=4.0)
     (param * float("nan")).sum().backward()
     grads_finite, _, scaler = buffer.unscale_and_clip_(scaler, 1.0)

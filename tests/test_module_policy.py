@@ -17,12 +17,12 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.overrides import TorchFunctionMode
 
 import fmp
-from fmp.autocast import _active_modes
 from fmp.autocast import autocast
-from fmp.autocast_regions import fixed_dtype
-from fmp.autocast_regions import no_autocast
-from fmp.autocast_rules import CPU
-from fmp.module_policy import module_policies
+from fmp.autocast._module_policy import module_policies
+from fmp.autocast._regions import fixed_dtype
+from fmp.autocast._regions import no_autocast
+from fmp.autocast._rules import CPU
+from fmp.autocast._transform import active_modes
 
 BF16 = fmp.Policy(torch.float32, torch.bfloat16, torch.float32)
 NORM_F32 = fmp.get_policy("p=f32,c=f32,o=bf16")  # Haiku's norm policy: float32 inside, bfloat16 out
@@ -86,7 +86,7 @@ def _loss(model: nn.Module, policy: fmp.Policy | None = None) -> Callable[..., t
 
 def _no_forward_left(model: nn.Module) -> bool:
     leftovers = {"forward", "_fmp_module_policy"}
-    return all(not leftovers & vars(m).keys() for m in model.modules()) and _active_modes() == []
+    return all(not leftovers & vars(m).keys() for m in model.modules()) and active_modes() == []
 
 
 def test_fixed_dtype_runs_in_its_dtype_inside_autocast() -> None:
@@ -121,7 +121,7 @@ def test_innermost_region_wins_and_outer_rules_resume() -> None:
     # The inner region also wins under vmap and grad.
     twice = autocast(lambda z: autocast(lambda w: w @ w, torch.float16)(z).float().sum(), torch.bfloat16)
     assert torch.func.vmap(torch.func.grad(twice))(torch.randn(2, 3, 3)).dtype == torch.float32
-    assert _active_modes() == []
+    assert active_modes() == []
 
 
 def test_regions_unwind_on_errors() -> None:
@@ -130,7 +130,7 @@ def test_regions_unwind_on_errors() -> None:
 
     with pytest.raises(ValueError, match="inside"):
         autocast(lambda y: autocast(boom, torch.float16)(y), torch.bfloat16)(torch.ones(1))
-    assert _active_modes() == [] and not torch.overrides._get_current_function_mode_stack()
+    assert active_modes() == [] and not torch.overrides._get_current_function_mode_stack()
 
 
 def test_regions_are_per_thread() -> None:
@@ -138,10 +138,10 @@ def test_regions_are_per_thread() -> None:
 
     def body(x: torch.Tensor) -> int:
         # A thread started inside a region is outside it, as with torch's own (thread-local) mode stack.
-        thread = threading.Thread(target=lambda: seen.append((len(_active_modes()), (x @ x).dtype)))
+        thread = threading.Thread(target=lambda: seen.append((len(active_modes()), (x @ x).dtype)))
         thread.start()
         thread.join()
-        return len(_active_modes())
+        return len(active_modes())
 
     assert autocast(body, torch.bfloat16)(torch.randn(2, 2)) == 1
     assert seen == [(0, torch.float32)]
@@ -187,7 +187,7 @@ def test_fixed_dtype_autograd_function_grads_come_back_in_input_dtypes() -> None
     inside = autocast(lambda: torch.autograd.grad(loss(w_leaf, x), w_leaf)[0], torch.bfloat16)()
     torch.testing.assert_close(inside, grad_w)
     assert set(_MatMul.seen) == {("forward", torch.float32), ("backward", torch.float32)}
-    assert _active_modes() == []
+    assert active_modes() == []
 
 
 def test_norm_layers_in_float32_under_a_bfloat16_policy() -> None:

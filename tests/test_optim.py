@@ -110,7 +110,7 @@ def test_adams_eager_temporaries_written_in_place_give_the_pure_forms_bits(
         grads = {k: random_like(tuple(v.shape), dtype, gen) for k, v in params.items()}
         in_place = optimizer.update(grads, in_place[1], in_place[0])
         with monkeypatch.context() as patched:  # the form compiled code and transforms get
-            patched.setattr(importlib.import_module("fmp.optim.adam"), "writes_in_place", lambda *trees: False)
+            patched.setattr(importlib.import_module("fmp.optim._adam"), "writes_in_place", lambda *trees: False)
             pure = optimizer.update(grads, pure[1], pure[0])
         assert_trees_bitwise_equal(in_place, pure)
 
@@ -123,7 +123,7 @@ def test_a_0_dim_16_bit_param_rounds_adams_denominator_as_torch_does(
     # The pure form (compiled, under torch.func or autograd) divided a 0-dim 16-bit moment by the
     # 0-dim float32 bias correction and kept the quotient in float32, where torch rounds it.
     if not in_place:
-        monkeypatch.setattr(importlib.import_module("fmp.optim.adam"), "writes_in_place", lambda *trees: False)
+        monkeypatch.setattr(importlib.import_module("fmp.optim._adam"), "writes_in_place", lambda *trees: False)
     params, grads = {"t": torch.tensor(0.7, dtype=dtype)}, {"t": torch.tensor(0.3, dtype=dtype)}
     optimizer = fmp.optim.adam(1e30, eps=1e-7)
     ours, _ = optimizer.update(grads, optimizer.init(params), params)

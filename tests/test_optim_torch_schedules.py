@@ -1,4 +1,4 @@
-"""fmp.optim.from_torch_state_dict with learning-rate schedulers: saved mid-schedule, and schedules given as lr."""
+"""fmp.interop.from_torch_state_dict with learning-rate schedulers: saved mid-schedule, and schedules given as lr."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_a_state_dict_saved_with_a_scheduler_converts_at_its_current_settings(sc
     for x in batches[:1] * 2:
         torch_step(model, optimizer, x, schedule)
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    fmp_optimizer, opt_state = fmp.optim.from_torch_state_dict("adamw", optimizer.state_dict(), params, 2)
+    fmp_optimizer, opt_state = fmp.interop.from_torch_state_dict("adamw", optimizer.state_dict(), params, 2)
     # The scheduler's bookkeeping is left behind; lr and betas are taken as they stand now.
     state = fmp.TrainState.create(params, fmp_optimizer, fmp.NoOpLossScale())._replace(opt_state=opt_state)
     step_both_and_compare(model, optimizer, state, fmp_optimizer, batches[0])
@@ -55,7 +55,9 @@ def test_a_scheduled_run_goes_on_with_the_schedule_given_as_lr() -> None:
         "group0": fmp.optim.schedule.linear(1e-2, start_factor=0.25, total_iters=5),
         "group1": fmp.optim.schedule.linear(1e-3, start_factor=0.25, total_iters=5),
     }
-    fmp_optimizer, opt_state = fmp.optim.from_torch_state_dict("adamw", optimizer.state_dict(), params, 3, lr=schedules)
+    fmp_optimizer, opt_state = fmp.interop.from_torch_state_dict(
+        "adamw", optimizer.state_dict(), params, 3, lr=schedules
+    )
     state = fmp.TrainState.create(params, fmp_optimizer, fmp.NoOpLossScale())._replace(opt_state=opt_state)
 
     def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -67,14 +69,14 @@ def test_a_scheduled_run_goes_on_with_the_schedule_given_as_lr() -> None:
     for name, p in model.named_parameters():  # closed-form lr against LinearLR's running product
         torch.testing.assert_close(state.params[name], p.detach(), rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match=r"lr names groups \['decay'\]; the state_dict's groups are \['group0', "):
-        fmp.optim.from_torch_state_dict("adamw", optimizer.state_dict(), params, 6, lr={"decay": 1e-3})
+        fmp.interop.from_torch_state_dict("adamw", optimizer.state_dict(), params, 6, lr={"decay": 1e-3})
 
 
 def test_plain_sgd_given_a_schedule_counts_on_from_torchs_applied_steps() -> None:
     model = make_model()
     plain = torch.optim.SGD(model.parameters(), lr=0.1)
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    fmp_optimizer, opt_state = fmp.optim.from_torch_state_dict(
+    fmp_optimizer, opt_state = fmp.interop.from_torch_state_dict(
         "sgd", plain.state_dict(), params, 7, lr=fmp.optim.schedule.exponential(0.1, 0.5)
     )
     assert int(opt_state.step) == 7 and opt_state.momentum == ()
@@ -106,7 +108,7 @@ def test_a_schedule_reads_torchs_scheduler_count_in_every_group(late_group: bool
     # torch.amp skipped: the schedule must read the scheduler's count all the same.
     model, optimizer, decay = exponential_run(late_group, skipped)
     params = params_in_group_order(model, optimizer)
-    fmp_optimizer, opt_state = fmp.optim.from_torch_state_dict(
+    fmp_optimizer, opt_state = fmp.interop.from_torch_state_dict(
         "adam",
         optimizer.state_dict(),
         params,
@@ -123,7 +125,7 @@ def test_a_schedule_is_checked_where_the_run_resumes() -> None:
     params = params_in_group_order(model, optimizer)
     overshoots = lambda count: 0.1 - 0.05 * count.double()  # noqa: E731  (negative from count 3 on)
     with pytest.raises(ValueError, match=r"lr= given for param group 0: the lr schedule returned -0\.05\d* at count 3"):
-        fmp.optim.from_torch_state_dict("adam", optimizer.state_dict(), params, 3, lr=overshoots)
+        fmp.interop.from_torch_state_dict("adam", optimizer.state_dict(), params, 3, lr=overshoots)
 
 
 def test_a_scheduler_started_mid_run_and_a_replaced_saved_lr_are_taken() -> None:
@@ -131,7 +133,7 @@ def test_a_scheduler_started_mid_run_and_a_replaced_saved_lr_are_taken() -> None
     model, optimizer, _ = exponential_run(False, 0)
     params = params_in_group_order(model, optimizer)
     warmup = fmp.optim.schedule.linear(0.1, start_factor=0.1, total_iters=10)  # negative below count 0
-    fmp_optimizer, opt_state = fmp.optim.from_torch_state_dict(
+    fmp_optimizer, opt_state = fmp.interop.from_torch_state_dict(
         "adam", optimizer.state_dict(), params, 3, lr=warmup, lr_count=1
     )
     state = fmp.TrainState.create(params, fmp_optimizer, fmp.NoOpLossScale())._replace(opt_state=opt_state)
@@ -146,11 +148,11 @@ def test_a_scheduler_started_mid_run_and_a_replaced_saved_lr_are_taken() -> None
     # A saved lr that fmp would refuse is no matter when lr= replaces it.
     saved = optimizer.state_dict()
     saved["param_groups"][0]["lr"] = -0.05
-    fmp.optim.from_torch_state_dict("adam", saved, params, 3, lr=warmup)
+    fmp.interop.from_torch_state_dict("adam", saved, params, 3, lr=warmup)
     with pytest.raises(ValueError, match=r"the state_dict's param group 0: lr must be in \[0\.0, inf\), got -0\.05"):
-        fmp.optim.from_torch_state_dict("adam", saved, params, 3)
+        fmp.interop.from_torch_state_dict("adam", saved, params, 3)
     with pytest.raises(ValueError, match="lr_count is the count a schedule given as lr= reads; without one"):
-        fmp.optim.from_torch_state_dict("adam", optimizer.state_dict(), params, 3, lr_count=5)
+        fmp.interop.from_torch_state_dict("adam", optimizer.state_dict(), params, 3, lr_count=5)
     negative_from_11 = lambda count: 0.1 - 0.01 * count.double()  # noqa: E731
     with pytest.raises(ValueError, match=r"returned -0\.0099\d* at count 11"):  # the scheduler's count, not fmp's
-        fmp.optim.from_torch_state_dict("adam", optimizer.state_dict(), params, 3, lr=negative_from_11, lr_count=11)
+        fmp.interop.from_torch_state_dict("adam", optimizer.state_dict(), params, 3, lr=negative_from_11, lr_count=11)

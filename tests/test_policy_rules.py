@@ -83,7 +83,7 @@ def test_bad_rules_and_hooks_are_named() -> None:
     with pytest.raises(ValueError, match=r"Policy\.rules must be one of .* got \['cuda'\]; for a rule set of your own"):
         fmp.Policy(rules=["cuda"])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="autocast rules must be a rule-set name"):
-        fmp.autocast(torch.mm, torch.bfloat16, rules=None)  # type: ignore[arg-type]
+        fmp.autocast.autocast(torch.mm, torch.bfloat16, rules=None)  # type: ignore[arg-type]
     state = fmp.TrainState.create(mlp_params(), fmp.optim.sgd(0.1), fmp.NoOpLossScale())
     with pytest.raises(TypeError, match=r"reduce_grads must be a function of fmp\.Gradients, got int"):
         fmp.train_step(

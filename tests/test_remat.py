@@ -49,7 +49,7 @@ class Residual(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x = x + (fmp.remat(block) if self.remat else block)(x)
+            x = x + (fmp.remat.remat(block) if self.remat else block)(x)
         return x
 
 
@@ -147,7 +147,7 @@ def test_a_function_is_recomputed_once_in_the_backward_pass() -> None:
         return block_fn(x, w1, w2)
 
     x, w1, w2 = block_weights()
-    wrapped = fmp.remat(counted)
+    wrapped = fmp.remat.remat(counted)
     assert wrapped.__name__ == "counted"
     grads = torch.func.grad(lambda w1, w2: wrapped(x, w1, w2).sum(), argnums=(0, 1))(w1, w2)
     assert calls == [True, True]  # both runs in grad mode, as the unwrapped function runs
@@ -162,7 +162,7 @@ def test_the_inputs_are_freed_with_the_backward_pass() -> None:
     x, w1, w2 = block_weights()
     h = x.requires_grad_() * 2
     weak = StorageWeakRef(h.untyped_storage())
-    out = fmp.remat(block_fn)(h, w1, w2)
+    out = fmp.remat.remat(block_fn)(h, w1, w2)
     del h
     assert not weak.expired()
     out.sum().backward()
@@ -177,12 +177,12 @@ def test_the_recomputes_activations_are_freed_as_its_backward_uses_them_in_the_s
     def block(a: torch.Tensor) -> torch.Tensor:
         a1 = a * 1.0
         h = a1.exp()
-        saved = weakref.ref(fmp.tree.functorch_base(h))
+        saved = weakref.ref(fmp._tree.functorch_base(h))
         if a1.requires_grad:  # the recompute (the forward ran without tracking)
             a1.register_hook(lambda grad: alive.append(saved() is not None) or grad)
         return h * h
 
-    loss_fn = lambda params, x: fmp.remat(block)(params["w"] * x).sum()  # noqa: E731
+    loss_fn = lambda params, x: fmp.remat.remat(block)(params["w"] * x).sum()  # noqa: E731
     fmp.mixed_precision_grad(
         loss_fn, {"w": torch.randn(1000)}, fmp.NoOpLossScale(), torch.ones(1000), policy=fmp.Policy()
     )
@@ -192,14 +192,14 @@ def test_the_recomputes_activations_are_freed_as_its_backward_uses_them_in_the_s
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch.func.jvp's first use
 def test_forward_mode_second_order_and_nested_remat_match() -> None:
     x, w1, w2 = block_weights()
-    wrapped = fmp.remat(block_fn)
+    wrapped = fmp.remat.remat(block_fn)
     tangent = torch.ones_like(w1)
     ours = torch.func.jvp(lambda w: wrapped(x, w, w2), (w1,), (tangent,))
     reference = torch.func.jvp(lambda w: block_fn(x, w, w2), (w1,), (tangent,))
     assert_trees_bitwise_equal(ours, reference)
     # Forward mode alone saves nothing for a backward pass: the block runs as it is, so a
     # captured tensor's tangent flows too.
-    captured = torch.func.jvp(lambda w: fmp.remat(lambda h: block_fn(h, w, w2))(x), (w1,), (tangent,))
+    captured = torch.func.jvp(lambda w: fmp.remat.remat(lambda h: block_fn(h, w, w2))(x), (w1,), (tangent,))
     assert_trees_bitwise_equal(captured, reference)
 
     # A Hessian-vector product: forward over reverse runs the Function's jvp rule and its backward.
@@ -213,11 +213,11 @@ def test_forward_mode_second_order_and_nested_remat_match() -> None:
     # An integer tensor carries no tangent, so a captured one passes.
     def indexed(w: torch.Tensor) -> torch.Tensor:
         index = w.argmax(0)
-        return fmp.remat(lambda h, w: (h @ w)[:, index])(x, w).sum()
+        return fmp.remat.remat(lambda h, w: (h @ w)[:, index])(x, w).sum()
 
     torch.func.jvp(torch.func.grad(indexed), (w1,), (tangent,))
     with pytest.raises(RuntimeError, match=r"not one of its arguments .*outer torch\.func\.jvp"):
-        gradient = torch.func.grad(lambda w, v: fmp.remat(lambda h, w: h @ w @ v)(x, w).sum())
+        gradient = torch.func.grad(lambda w, v: fmp.remat.remat(lambda h, w: h @ w @ v)(x, w).sum())
         torch.func.jvp(lambda v: gradient(w1, v), (w2,), (w2,))
 
     def grad_norm(block: Callable[..., torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -226,9 +226,9 @@ def test_forward_mode_second_order_and_nested_remat_match() -> None:
     torch.testing.assert_close(torch.func.grad(grad_norm(wrapped))(w1), torch.func.grad(grad_norm(block_fn))(w1))
 
     def two_blocks(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        return fmp.remat(block_fn)(x, w1, w2) @ w1 @ w2
+        return fmp.remat.remat(block_fn)(x, w1, w2) @ w1 @ w2
 
-    nested = torch.func.grad(lambda w: fmp.remat(two_blocks)(x, w, w2).sum())(w1)
+    nested = torch.func.grad(lambda w: fmp.remat.remat(two_blocks)(x, w, w2).sum())(w1)
     assert_trees_bitwise_equal(nested, torch.func.grad(lambda w: two_blocks(x, w, w2).sum())(w1))
 
 
@@ -244,7 +244,7 @@ def test_constants_keywords_integer_outputs_and_returned_inputs_pass_through() -
         assert out["argmax"].dtype == torch.int64 and not out["argmax"].requires_grad
         return out["y"].sum() + out["x"].sum()
 
-    assert_trees_bitwise_equal(torch.func.grad(loss)(w1, fmp.remat(block)), torch.func.grad(loss)(w1, block))
+    assert_trees_bitwise_equal(torch.func.grad(loss)(w1, fmp.remat.remat(block)), torch.func.grad(loss)(w1, block))
 
 
 def test_preserve_rng_state_false_lets_the_recompute_draw_a_new_mask() -> None:
@@ -256,8 +256,8 @@ def test_preserve_rng_state_false_lets_the_recompute_draw_a_new_mask() -> None:
     def grad(block: Callable[..., torch.Tensor]) -> torch.Tensor:
         return seeded(lambda: torch.func.grad(lambda w: block(x, w).sum())(w1))  # type: ignore[no-any-return]
 
-    assert torch.equal(grad(fmp.remat(dropped)), grad(dropped))
-    assert not torch.equal(grad(fmp.remat(dropped, preserve_rng_state=False)), grad(dropped))
+    assert torch.equal(grad(fmp.remat.remat(dropped)), grad(dropped))
+    assert not torch.equal(grad(fmp.remat.remat(dropped, preserve_rng_state=False)), grad(dropped))
 
 
 def test_nested_fmp_regions_are_replayed() -> None:
@@ -265,12 +265,12 @@ def test_nested_fmp_regions_are_replayed() -> None:
     x, w1, w2 = block_weights()
 
     def block(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        return fmp.fixed_dtype(torch.matmul, torch.float32)(torch.tanh(x @ w1), w2)
+        return fmp.autocast.fixed_dtype(torch.matmul, torch.float32)(torch.tanh(x @ w1), w2)
 
     def loss(block: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        return fmp.autocast(lambda w1: block(x, w1, w2).float().sum(), torch.float16)
+        return fmp.autocast.autocast(lambda w1: block(x, w1, w2).float().sum(), torch.float16)
 
-    assert_trees_bitwise_equal(torch.func.grad(loss(fmp.remat(block)))(w1), torch.func.grad(loss(block))(w1))
+    assert_trees_bitwise_equal(torch.func.grad(loss(fmp.remat.remat(block)))(w1), torch.func.grad(loss(block))(w1))
 
 
 def test_module_policies_are_replayed_in_the_recompute() -> None:
@@ -284,7 +284,7 @@ def test_module_policies_are_replayed_in_the_recompute() -> None:
             self.remat = remat
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return (fmp.remat(self.block) if self.remat else self.block)(x)
+            return (fmp.remat.remat(self.block) if self.remat else self.block)(x)
 
     plain, wrapped = Net(False), Net(True)
     wrapped.load_state_dict(plain.state_dict())
@@ -296,7 +296,7 @@ def test_module_policies_are_replayed_in_the_recompute() -> None:
             def loss(p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
                 return F.mse_loss(torch.func.functional_call(model, p, (x,)), y)
 
-            fn = fmp.module_policies(loss, model, {key: fmp.get_policy("float32")})
+            fn = fmp.autocast.module_policies(loss, model, {key: fmp.get_policy("float32")})
             return fmp.mixed_precision_grad(fn, params, fmp.NoOpLossScale(), x, y, policy=policy)
 
         assert_trees_bitwise_equal(grads(wrapped, key), grads(plain, key))
@@ -430,7 +430,7 @@ class Remat(nn.Module):
         self.inner, self.remat = inner, remat
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (fmp.remat(self.inner) if self.remat else self.inner)(x)
+        return (fmp.remat.remat(self.inner) if self.remat else self.inner)(x)
 
 
 @pytest.mark.parametrize("transform", ["loss.backward()", "mixed_precision_grad"])

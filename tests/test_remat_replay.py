@@ -16,7 +16,7 @@ BF16 = fmp.get_policy("params=float32,compute=bfloat16,output=float32")
 
 
 class Net(nn.Module):
-    """A block run twice, plainly, through `fmp.remat(module)`, or through `fmp.remat` of functions calling it."""
+    """A block run twice, plainly, through `fmp.remat.remat(module)`, or through `fmp.remat` of functions calling it."""
 
     def __init__(self, remat: str) -> None:
         super().__init__()
@@ -25,13 +25,15 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Any:
         if self.remat in ("", "module"):
-            block = fmp.remat(self.block) if self.remat else self.block
+            block = fmp.remat.remat(self.block) if self.remat else self.block
             return block(torch.tanh(block(x)))
         params = dict(self.block.named_parameters())
-        run = fmp.remat(lambda h, p: torch.func.functional_call(self.block, p, (h,)))  # params passed in, as required
+        run = fmp.remat.remat(
+            lambda h, p: torch.func.functional_call(self.block, p, (h,))
+        )  # params passed in, as required
         twice = lambda h, p: run(torch.tanh(run(h, p)), p)  # noqa: E731
         # Nested: the inner blocks run again inside the outer one's recompute, after module_policies returned.
-        return fmp.remat(twice)(x, params) if self.remat == "nested" else twice(x, params)
+        return fmp.remat.remat(twice)(x, params) if self.remat == "nested" else twice(x, params)
 
 
 @pytest.mark.parametrize("form", ["module", "function", "nested"])
@@ -48,7 +50,7 @@ def test_the_recompute_runs_the_module_policies_the_forward_ran(form: str, key: 
         def loss(p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return F.mse_loss(torch.func.functional_call(model, p, (x,)), y)
 
-        fn = fmp.module_policies(loss, model, {key: fmp.get_policy("float32")})
+        fn = fmp.autocast.module_policies(loss, model, {key: fmp.get_policy("float32")})
         return fmp.mixed_precision_grad(fn, params, fmp.NoOpLossScale(), x, y, policy=BF16)
 
     assert_trees_bitwise_equal(grads(wrapped), grads(plain))
@@ -73,14 +75,14 @@ def test_a_generator_passed_in_is_replayed_and_left_where_the_forward_left_it(ba
         assert grad is not None
         return grad, generator.get_state()
 
-    assert_trees_bitwise_equal(grad_and_generator(fmp.remat(noisy_block)), grad_and_generator(noisy_block))
+    assert_trees_bitwise_equal(grad_and_generator(fmp.remat.remat(noisy_block)), grad_and_generator(noisy_block))
 
 
 def test_draws_the_caller_makes_between_forward_and_backward_are_not_undone() -> None:
     # The recompute sets the passed generator to its forward state, then puts back where the
     # caller has moved it since: the caller's next draw is new, not a repeat.
     generator = torch.Generator().manual_seed(0)
-    block = fmp.remat(lambda a, gen: F.dropout(a, 0.5) * torch.rand(a.shape, generator=gen))
+    block = fmp.remat.remat(lambda a, gen: F.dropout(a, 0.5) * torch.rand(a.shape, generator=gen))
     w = torch.randn(8, requires_grad=True)
     out = block(w, generator)
     drawn_between = torch.rand(3, generator=generator)
@@ -105,12 +107,12 @@ def test_a_block_inside_a_torch_autocast_takeover_is_recomputed_as_it_ran() -> N
         dtypes: list[torch.dtype] = []
 
         def loss(w: torch.Tensor) -> torch.Tensor:
-            inner, after = fmp.autocast(model, torch.bfloat16)(block, x, w)
+            inner, after = fmp.autocast.autocast(model, torch.bfloat16)(block, x, w)
             dtypes.extend((inner.dtype, after.dtype))
             return inner.sum() + (x @ w).float().sum()
 
         return torch.func.grad(loss)(w), dtypes
 
-    grad, dtypes = run(fmp.remat(torch.matmul))
+    grad, dtypes = run(fmp.remat.remat(torch.matmul))
     assert dtypes == [torch.float32, torch.float32]
     assert_trees_bitwise_equal(grad, run(torch.matmul)[0])

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 import fmp
 from fmp._donation import select_into
-from fmp.tree import _finite_magnitude
-from fmp.tree import _finite_rows
-from fmp.tree import _finite_whole
+from fmp._tree import _finite_magnitude
+from fmp._tree import _finite_rows
+from fmp._tree import _finite_whole
 
 values = st.floats(allow_nan=True, allow_infinity=True, width=32)
 

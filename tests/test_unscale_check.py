@@ -8,8 +8,8 @@ import torch
 from conftest import assert_trees_bitwise_equal
 
 import fmp
-from fmp._unscale import owned_all_finite
-from fmp._unscale import unscale_and_check
+from fmp._scaler import owned_all_finite
+from fmp._scaler import unscale_and_check
 
 _SPECIALS = [float("inf"), float("-inf"), float("nan"), 3.0e38, -3.0e38, 1.0e-40, 0.0, -0.0]
 

@@ -1,4 +1,4 @@
-"""unscale_clip_and_adjust: GradScaler's unscale_, clip_grad_norm_ and update as one function, and fused."""
+"""unscale_and_adjust with max_norm: GradScaler's unscale_, clip_grad_norm_ and update in one, eager and compiled."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import fmp
+from fmp._scaler import compiled_unscale_and_adjust
 
 SCALE = 2.0**10
 
@@ -43,12 +44,12 @@ def test_matches_grad_scaler_then_clip_grad_norm_bit_for_bit(
 ) -> None:
     grads = scaled_grads(dtype, magnitude)
     scaler = fmp.DynamicLossScale.create(SCALE)
-    clipped, grads_finite, grad_norm, new_scaler = fmp.unscale_clip_and_adjust(scaler, grads, max_norm)
+    clipped, grads_finite, grad_norm, new_scaler = fmp.unscale_and_adjust(scaler, grads, max_norm=max_norm)
     reference, reference_norm, reference_finite = torch_amp_reference(grads, max_norm)
     assert_trees_bitwise_equal(clipped, reference)
     assert torch.equal(bits(grad_norm), bits(reference_norm))
     assert bool(grads_finite) is reference_finite is True
-    assert_trees_bitwise_equal(new_scaler, fmp.unscale_and_adjust(scaler, grads)[2])
+    assert_trees_bitwise_equal(new_scaler, fmp.unscale_and_adjust(scaler, grads).scaler)
 
 
 def test_mixed_dtypes_match_clip_grad_norm_s_grouping_bit_for_bit() -> None:
@@ -56,7 +57,7 @@ def test_mixed_dtypes_match_clip_grad_norm_s_grouping_bit_for_bit() -> None:
     grads = scaled_grads(torch.float32, 3.0)
     grads[1] = grads[1].to(torch.bfloat16)
     grads.append(scaled_grads(torch.bfloat16, 2.0)[0])
-    clipped, _, grad_norm, _ = fmp.unscale_clip_and_adjust(fmp.DynamicLossScale.create(SCALE), grads, 1.0)
+    clipped, _, grad_norm, _ = fmp.unscale_and_adjust(fmp.DynamicLossScale.create(SCALE), grads, max_norm=1.0)
     reference, reference_norm, _ = torch_amp_reference(grads, 1.0)
     assert_trees_bitwise_equal(clipped, reference)
     assert torch.equal(bits(grad_norm), bits(reference_norm))
@@ -64,7 +65,7 @@ def test_mixed_dtypes_match_clip_grad_norm_s_grouping_bit_for_bit() -> None:
 
 def test_the_norm_and_the_clip_act_on_the_unscaled_gradients() -> None:
     grads = scaled_grads(torch.float32, 10.0)  # scaled norm ~ 2**10 * 10 * 18: the clip must see ~180
-    clipped, _, grad_norm, _ = fmp.unscale_clip_and_adjust(fmp.StaticLossScale.create(SCALE), grads, 1.0)
+    clipped, _, grad_norm, _ = fmp.unscale_and_adjust(fmp.StaticLossScale.create(SCALE), grads, max_norm=1.0)
     unscaled = [g / SCALE for g in grads]
     expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in unscaled]))
     torch.testing.assert_close(grad_norm, expected, **TOLERANCES[torch.float32])
@@ -74,23 +75,23 @@ def test_the_norm_and_the_clip_act_on_the_unscaled_gradients() -> None:
 
 def test_a_float16_norm_beyond_its_range_does_not_zero_the_gradients() -> None:
     grads = [torch.full((4096,), 2048.0, dtype=torch.float16)]  # norm 131072, past float16's 65504
-    clipped, grads_finite, grad_norm, _ = fmp.unscale_clip_and_adjust(fmp.NoOpLossScale(), grads, 1.0)
+    clipped, grads_finite, grad_norm, _ = fmp.unscale_and_adjust(fmp.NoOpLossScale(), grads, max_norm=1.0)
     assert bool(grads_finite) and float(grad_norm) == 131072.0
     assert bool((clipped[0] > 0).all())  # torch's float16 norm would be inf and the factor 0
 
 
 def test_integer_and_missing_leaves_pass_through_and_an_empty_tree_has_norm_zero() -> None:
     grads = {"w": scaled_grads(torch.float32, 1.0)[0], "count": torch.tensor([3, 4]), "none": None}
-    clipped, grads_finite, _, _ = fmp.unscale_clip_and_adjust(fmp.DynamicLossScale.create(SCALE), grads, 1.0)
+    clipped, grads_finite, _, _ = fmp.unscale_and_adjust(fmp.DynamicLossScale.create(SCALE), grads, max_norm=1.0)
     assert clipped["count"] is grads["count"] and clipped["none"] is None and bool(grads_finite)
-    _, empty_finite, empty_norm, _ = fmp.unscale_clip_and_adjust(fmp.DynamicLossScale.create(SCALE), [], 1.0)
+    _, empty_finite, empty_norm, _ = fmp.unscale_and_adjust(fmp.DynamicLossScale.create(SCALE), [], max_norm=1.0)
     assert bool(empty_finite) and float(empty_norm) == 0.0
 
 
 def test_an_infinite_max_norm_measures_without_clipping() -> None:
     grads = scaled_grads(torch.float32, 10.0)
     scaler = fmp.DynamicLossScale.create(SCALE)
-    clipped, _, grad_norm, _ = fmp.unscale_clip_and_adjust(scaler, grads, math.inf)
+    clipped, _, grad_norm, _ = fmp.unscale_and_adjust(scaler, grads, max_norm=math.inf)
     assert_trees_bitwise_equal(clipped, fmp.unscale_and_adjust(scaler, grads)[0])
     assert float(grad_norm) > 1.0
 
@@ -99,7 +100,7 @@ def test_non_finite_gradients_back_the_scale_off_and_give_a_non_finite_norm() ->
     grads = scaled_grads(torch.float32, 1.0)
     grads[1][2] = float("inf")
     scaler = fmp.DynamicLossScale.create(SCALE)
-    _, grads_finite, grad_norm, new_scaler = fmp.unscale_clip_and_adjust(scaler, grads, 1.0)
+    _, grads_finite, grad_norm, new_scaler = fmp.unscale_and_adjust(scaler, grads, max_norm=1.0)
     assert not bool(grads_finite) and not bool(torch.isfinite(grad_norm))
     assert float(new_scaler.loss_scale) == SCALE / 2
 
@@ -114,9 +115,9 @@ def test_non_finite_gradients_back_the_scale_off_and_give_a_non_finite_norm() ->
 )
 def test_a_bad_max_norm_is_named(max_norm: Any, error: type[Exception], message: str) -> None:
     scaler = fmp.DynamicLossScale.create(SCALE)
-    for function in (fmp.unscale_clip_and_adjust, fmp.fused_unscale_clip_and_adjust):
+    for function in (fmp.unscale_and_adjust, compiled_unscale_and_adjust):
         with pytest.raises(error, match=message):
-            function(scaler, scaled_grads(torch.float32, 1.0), max_norm)
+            function(scaler, scaled_grads(torch.float32, 1.0), max_norm=max_norm)
 
 
 @pytest.mark.compiled
@@ -128,9 +129,9 @@ def test_fused_form_clips_in_place_as_the_eager_one_does_and_compiles_at_most_tw
     # The clip binds at magnitude 10, then not; a second max_norm makes it an input of the graph.
     for magnitude, max_norm in [(10.0, 1.0), (0.01, 1.0), (10.0, 2.0), (10.0, 0.5), (10.0, 3)]:
         grads = scaled_grads(dtype, magnitude)
-        eager = fmp.unscale_clip_and_adjust(scaler, grads, max_norm)
+        eager = fmp.unscale_and_adjust(scaler, grads, max_norm=max_norm)
         donated = [g.clone() for g in grads]
-        fused = fmp.fused_unscale_clip_and_adjust(scaler, donated, max_norm, donate=True)
+        fused = compiled_unscale_and_adjust(scaler, donated, max_norm=max_norm, donate=True)
         for ours, buffer in zip(fused[0], donated, strict=True):
             assert ours.data_ptr() == buffer.data_ptr()  # written into the donated gradients
         torch.testing.assert_close(list(fused[0]), list(eager[0]), **TOLERANCES[dtype])
@@ -153,7 +154,7 @@ def test_gradient_buffer_unscales_and_clips_as_grad_scaler_and_clip_grad_norm_(
         monkeypatch.setattr(torch, "compile", refuse_to_compile)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
-    grads = fmp.GradientBuffer.attach(model.parameters(), compiled=compiled)
+    grads = fmp.interop.GradientBuffer.attach(model.parameters(), compiled=compiled)
     x = torch.randn(5, 6) * 30
     scaler = fmp.DynamicLossScale.create(SCALE)
     scaler.scale(model(x).square().mean()).backward()

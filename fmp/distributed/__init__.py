@@ -39,7 +39,7 @@ fmp's default is the param dtype; so map the policy explicitly (tested on CPU wi
     # each step:
     scaler.scale(loss_fn(model(x), y)).backward()
     grads = {n: p.grad.to_local() for n, p in model.named_parameters()}
-    grads, finite, scaler = fmp.distributed.unscale_and_adjust(scaler, grads)
+    grads, finite, _, scaler = fmp.distributed.unscale_and_adjust(scaler, grads)
     new_params, opt_state = fmp.select_tree(finite, optimizer.update(grads, opt_state, params), (params, opt_state))
     with torch.no_grad():
         for n, value in new_params.items():

@@ -19,11 +19,11 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from fmp._checks import check_real
-from fmp.grad import Gradients
-from fmp.policy import Policy
-from fmp.tree import all_finite
-from fmp.tree import check_finite_flag
-from fmp.tree import is_inexact_tensor
+from fmp._grad import Gradients
+from fmp._policy import Policy
+from fmp._tree import all_finite
+from fmp._tree import check_finite_flag
+from fmp._tree import is_inexact_tensor
 
 if not dist.is_available():  # pragma: no cover - torch builds without distributed support
     raise ImportError("fmp.distributed needs a torch build with torch.distributed (torch.distributed.is_available())")

@@ -11,23 +11,25 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from fmp._grad import LossFn
+from fmp._grad import ScalerTree
+from fmp._grad import check_scalers
+from fmp._loss_scale import LossScale
+from fmp._loss_scale import NoOpLossScale
+from fmp._loss_scale import check_scaler
+from fmp._optimizer import Optimizer
+from fmp._policy import Policy
+from fmp._scaler import Unscaled
+from fmp._scaler import unscale
+from fmp._state import TrainState
+from fmp._step import StepInfo
+from fmp._step import train_step as local_train_step
+from fmp._tree import all_finite
+from fmp._tree import check_gradient_leaves
+from fmp._tree import tree_device
 from fmp.distributed._reduce import Collectives
 from fmp.distributed._reduce import agree_finite
 from fmp.distributed._reduce import all_reduce_gradients
-from fmp.grad import LossFn
-from fmp.grad import ScalerTree
-from fmp.grad import check_scalers
-from fmp.loss_scale import LossScale
-from fmp.loss_scale import NoOpLossScale
-from fmp.loss_scale import check_scaler
-from fmp.optim._base import Optimizer
-from fmp.policy import Policy
-from fmp.state import TrainState
-from fmp.step import StepInfo
-from fmp.step import train_step as local_train_step
-from fmp.tree import all_finite
-from fmp.tree import check_gradient_leaves
-from fmp.tree import tree_device
 
 __all__ = ["train_step", "unscale_and_adjust"]
 
@@ -134,7 +136,7 @@ def unscale_and_adjust(
     *,
     group: dist.ProcessGroup | None = None,
     collectives: Collectives = "functional",
-) -> tuple[Tree, torch.Tensor, ScaleT]:
+) -> Unscaled[Tree, ScaleT]:
     """`fmp.unscale_and_adjust` for gradients sharded across ranks (FSDP2): the finite flag is agreed.
 
     Each rank unscales and checks its own shards; the flags are ANDed over `group`
@@ -151,8 +153,8 @@ def unscale_and_adjust(
         collectives: As `all_reduce_gradients`: "functional" (traceable) or "eager".
 
     Returns:
-        `(grads, grads_finite, new_scaler)`: this rank's unscaled gradients, the flag of all ranks'
-        gradients, and the adjusted scaler (identical on every rank).
+        An `fmp.Unscaled`: this rank's unscaled gradients, the flag of all ranks' gradients, no
+        norm (None), and the adjusted scaler (identical on every rank).
 
     Raises:
         TypeError: If `scaler` is not an fmp loss-scale state or a gradient is a DTensor.
@@ -160,9 +162,9 @@ def unscale_and_adjust(
     """
     check_scaler(scaler)
     _check_local(scaled_grads)
-    grads = scaler.unscale(scaled_grads)
+    grads, _ = unscale(scaler, scaled_grads, donate=False)
     local = all_finite(grads)
     # A rank with empty shards still votes, from the device its collectives run on.
     device = tree_device(scaled_grads) or tree_device(scaler)
     grads_finite = agree_finite(local if device is None else local.to(device), group=group, collectives=collectives)
-    return grads, grads_finite, cast(ScaleT, scaler.adjust(grads_finite))
+    return Unscaled(grads, grads_finite, None, cast(ScaleT, scaler.adjust(grads_finite)))

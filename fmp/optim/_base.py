@@ -7,7 +7,6 @@ import numbers
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
-from typing import NamedTuple
 from typing import TypeAlias
 from typing import cast
 
@@ -15,11 +14,10 @@ import torch
 import torch.utils._pytree as pytree
 
 from fmp._checks import check_real
-from fmp.tree import tree_accelerator_device
+from fmp._tree import tree_accelerator_device
 
 __all__ = [
     "LearningRate",
-    "Optimizer",
     "Schedule",
     "check_lr",
     "check_schedule_start",
@@ -37,18 +35,6 @@ Schedule: TypeAlias = Callable[[torch.Tensor], torch.Tensor]
 
 LearningRate: TypeAlias = float | Schedule
 """What the optimizers' `lr` takes: a fixed float or a `Schedule`."""
-
-
-class Optimizer(NamedTuple):
-    """A pure optimizer, optax style, whose `update` returns new parameters directly.
-
-    Attributes:
-        init: `init(params) -> state`, a pytree of tensors (empty for stateless optimizers).
-        update: `update(grads, state, params) -> (new_params, new_state)`; never mutates its inputs.
-    """
-
-    init: Callable[[Any], Any]
-    update: Callable[[Any, Any, Any], tuple[Any, Any]]
 
 
 def check_state(name: str, state: Any, expected: type) -> None:

@@ -1,0 +1,354 @@
+"""Mixed-precision gradients: cast per policy, scale, differentiate, unscale, check for finiteness.
+
+One loss takes one scaler; several losses (apex's `num_losses`) take a tuple of scalers, one per
+loss, and each loss's gradients are unscaled and checked on their own, so each scaler adjusts by
+its own overflow. Nothing here reads a tensor's value on the host.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
+from typing import cast
+
+import torch
+import torch.utils._pytree as pytree
+
+from fmp._backward import check_reads_no_module_parameters
+from fmp._backward import grad_and_aux
+from fmp._checks import check_bool
+from fmp._checks import check_callable
+from fmp._loss_scale import LossScale
+from fmp._loss_scale import check_scaler
+from fmp._policy import Policy
+from fmp._scaler import owned_all_finite
+from fmp._scaler import unscale_and_check
+from fmp._struct import serializable_namedtuple
+from fmp._tree import check_no_opaque_leaves
+from fmp._tree import check_on_device
+from fmp._tree import tree_accelerator_device
+from fmp.autocast._transform import autocast
+
+__all__ = [
+    "Gradients",
+    "ScalerTree",
+    "check_param_leaves",
+    "check_params",
+    "check_reads_no_module_parameters",
+    "check_scalers",
+    "mixed_precision_grad",
+    "with_policy",
+]
+
+LossFn = Callable[..., Any]
+ScalerTree = LossScale | tuple[LossScale, ...]
+"""One loss-scale state, or a tuple of them, one per loss."""
+
+
+@serializable_namedtuple
+class Gradients(NamedTuple):
+    """What `mixed_precision_grad` returns.
+
+    Attributes:
+        grads: Unscaled gradients in the parameters' structure and dtype (summed over the losses).
+        grads_finite: 0-dim bool tensor, True when every gradient is finite after unscaling.
+        loss: The unscaled loss in the policy's output dtype; a tuple of them for several losses.
+        aux: The loss function's auxiliary output; `()` (no leaves, so vmap can return it) unless `has_aux`.
+        finite_per_loss: The flag each scaler adjusts by: `grads_finite` for one scaler, and for a
+            tuple of scalers a tuple of flags, one per loss, each True when that loss's own
+            unscaled gradients, and their sum, are finite.
+    """
+
+    grads: Any
+    grads_finite: torch.Tensor
+    loss: Any
+    aux: Any
+    finite_per_loss: Any
+
+
+def check_scalers(scaler: Any) -> None:
+    """Raises a TypeError unless `scaler` is a loss-scale state or a non-empty tuple of them."""
+    if isinstance(scaler, tuple):
+        if not scaler:
+            raise TypeError("scaler is an empty tuple; pass one loss-scale state per loss")
+        for index, item in enumerate(scaler):
+            if not isinstance(item, LossScale):
+                raise TypeError(
+                    f"scaler[{index}] must be an fmp loss-scale state (e.g. DynamicLossScale.create()), "
+                    f"got {type(item).__name__}"
+                )
+            try:
+                check_scaler(item)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"scaler[{index}]: {error}") from None
+        return
+    check_scaler(scaler)
+
+
+def _param_leaf_problem(leaf: Any) -> str | None:
+    """Why `leaf` cannot be a parameter, or None."""
+    if not isinstance(leaf, torch.Tensor):
+        return f"is a {type(leaf).__name__}; every leaf of params must be a tensor"
+    if isinstance(leaf, torch.nn.Parameter):
+        return (
+            "is an nn.Parameter: autograd would chain every step's graph onto the last "
+            "(a memory leak); pass {k: v.detach() for k, v in model.named_parameters()}"
+        )
+    if leaf.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(leaf):
+        if leaf.grad_fn is not None:
+            return (
+                "requires grad, as a step's output does while plain autograd records: autograd would "
+                "chain every step's graph onto the last (a memory leak); pass it .detach()ed, or take a "
+                "meta-gradient through several steps with torch.func.grad"
+            )
+        return (
+            "requires grad (torch.func.stack_module_state returns such tensors): autograd would "
+            "chain every step's graph onto the last (a memory leak); pass it .detach()ed"
+        )
+    return None
+
+
+def _checked_leaves(params: Any, policy: Policy | None) -> torch.device | None:
+    """Checks every leaf of `params` (and its dtype against `policy`'s, if given); returns their device."""
+    leaves = pytree.tree_leaves(params)
+    check_no_opaque_leaves(leaves, params, "params")
+    for index, leaf in enumerate(leaves):
+        problem = _param_leaf_problem(leaf)
+        if problem is None and policy is not None:
+            if not (leaf.is_floating_point() or leaf.is_complex()):
+                problem = (
+                    f"is {leaf.dtype}; every leaf of params is differentiated, "
+                    f"so pass integer buffers (e.g. num_batches_tracked) through *args instead"
+                )
+            elif leaf.is_floating_point() and leaf.dtype != policy.param_dtype:
+                problem = (
+                    f"is {leaf.dtype} but the policy stores params in {policy.param_dtype}; "
+                    f"cast them with policy.cast_to_param(params) or choose another policy"
+                )
+        if problem is not None:
+            # Key paths only for the message: flattening with them costs several times a plain flatten.
+            path = pytree.tree_flatten_with_path(params)[0][index][0]
+            raise TypeError(f"params{pytree.keystr(path)} {problem}")
+    return tree_accelerator_device(leaves)
+
+
+def check_param_leaves(params: Any) -> torch.device | None:
+    """Raises a TypeError naming the leaf unless every leaf of `params` is a tensor autograd does not track.
+
+    An opaque container (a generator, a Module) or a non-tensor cannot be a parameter. An
+    `nn.Parameter`, or a tensor that requires grad, would chain every step's graph onto the last,
+    since the step's new params are computed from the old ones (a memory leak). Tensors wrapped by
+    a `torch.func` transform (a meta-gradient through the step) are differentiated on purpose and pass.
+
+    Returns:
+        The params' device (their first accelerator, where the step's finite flag lives), or None
+        for params without tensors.
+    """
+    return _checked_leaves(params, None)
+
+
+def check_params(params: Any, policy: Policy) -> torch.device | None:
+    """As `check_param_leaves`, and every parameter, being differentiated, a floating tensor in the param dtype."""
+    return _checked_leaves(params, policy)
+
+
+def _check_loss(loss: Any, subject: str) -> torch.Tensor:
+    """Checks one loss; `subject` opens the error message ("loss_fn must return")."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"{subject} a scalar tensor, got {type(loss).__name__}")
+    if loss.dim() != 0:
+        raise ValueError(
+            f"{subject} a scalar (0-dim) loss, got shape {tuple(loss.shape)}; reduce it, e.g. with .mean()"
+        )
+    if not loss.is_floating_point():
+        raise TypeError(f"{subject} a floating-point loss, got {loss.dtype}")
+    return loss
+
+
+def _check_losses(out: Any, scaler: ScalerTree) -> Any:
+    """The loss, or the tuple of losses with one per scaler, each checked."""
+    if not isinstance(scaler, tuple):
+        if isinstance(out, tuple):
+            raise TypeError(
+                f"loss_fn must return a scalar tensor, got a tuple of {len(out)}: with has_aux=True it returns "
+                f"(loss, aux), and with a tuple of scalers one loss per scaler"
+            )
+        return _check_loss(out, "loss_fn must return")
+    if not (isinstance(out, tuple) and len(out) == len(scaler)):
+        got = f"a tuple of {len(out)}" if isinstance(out, tuple) else f"a {type(out).__name__}"
+        raise TypeError(f"with a tuple of {len(scaler)} scalers, loss_fn must return {len(scaler)} losses, got {got}")
+    return tuple(_check_loss(loss, f"loss_fn's loss[{index}] must be") for index, loss in enumerate(out))
+
+
+def _warn_unless_depends_on_params(loss: torch.Tensor, which: str, params: Any, args: Any) -> None:
+    """Warns if `loss`, inside `torch.func.grad`, is not computed from `params` (its gradients are zeros).
+
+    Inside the transform a loss tracks the params exactly when it requires grad: a static property,
+    read without a sync. A warning, not an error: a loss may be constant on purpose (a term not yet
+    switched on, an empty batch), though more often it was detached by mistake. Eager only, as the
+    module-parameter check, which raises first where it applies.
+    """
+    if torch.compiler.is_compiling() or loss.requires_grad or not pytree.tree_leaves(params):
+        return
+    check_reads_no_module_parameters(loss, args)
+    warnings.warn(
+        f"loss_fn's {which} does not depend on params, so its gradients are all zero (weight decay and "
+        f"momentum still move the params): was it detached, computed under torch.no_grad or rebuilt from "
+        f".item(), or the model called as model(x) instead of torch.func.functional_call(model, params, (x,))?",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
+def _check_aux(aux: Any) -> None:
+    for path, leaf in pytree.tree_flatten_with_path(aux)[0]:
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"aux{pytree.keystr(path)} is a {type(leaf).__name__}; aux must be a pytree of tensors")
+
+
+def _tree_sum(trees: list[Any]) -> Any:
+    return pytree.tree_map(lambda *xs: functools.reduce(torch.add, xs), *trees)
+
+
+def with_policy(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
+    """`fn(params, *args)` run as the step runs `loss_fn`, for evaluation with the training numerics.
+
+    In the compute dtype by the policy's rules (op by op under `fmp.autocast`, or with params and
+    floating args cast whole when `policy.rules` is None), its floating outputs cast to the output
+    dtype: a loss evaluated this way on the params a step saw equals that step's `info.loss` bit for
+    bit. With a float32 compute dtype only floating params and args in another dtype are cast.
+
+    Args:
+        fn: `fn(params, *args) -> outputs`, e.g. the loss function or the model's forward.
+        policy: The precision policy.
+
+    Returns:
+        The wrapped function.
+    """
+    check_callable("with_policy's fn", fn)
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be an fmp.Policy (e.g. fmp.get_policy('c=bf16')), got {type(policy).__name__}")
+    forward = _forward(fn, policy)
+
+    @functools.wraps(fn)
+    def run(params: Any, *args: Any) -> Any:
+        return policy.cast_to_output(forward(params, *args))
+
+    return run
+
+
+def _forward(loss_fn: LossFn, policy: Policy) -> LossFn:
+    """`loss_fn` under the policy's compute dtype: op by op with rules, else with params and args cast whole."""
+    if policy.casts_by_op:
+        return autocast(loss_fn, policy.compute_dtype, rules=cast(str, policy.rules))
+
+    def cast_whole(params: Any, *args: Any) -> Any:
+        return loss_fn(policy.cast_to_compute(params), *policy.cast_to_compute(args))
+
+    return cast_whole
+
+
+def mixed_precision_grad(
+    loss_fn: LossFn, params: Any, scaler: ScalerTree, *args: Any, policy: Policy, has_aux: bool = False
+) -> Gradients:
+    """Computes unscaled gradients of `loss_fn` under a precision policy and a loss scale.
+
+    The loss function runs in the policy's compute dtype: op by op under `fmp.autocast` with the
+    policy's rules (the default for 16-bit compute: matmuls in the compute dtype, softmax, norms
+    and losses in float32, params and args left in their dtypes), or, with `rules=None` or a
+    32/64-bit compute dtype, on params and floating args cast whole to it. The loss is cast to
+    the output dtype, scaled and differentiated with `torch.func`. Gradients come back in the param dtype
+    (autograd returns each in its parameter's dtype), are unscaled, and are checked for finiteness
+    after unscaling, so a gradient that overflows only when unscaled is caught too.
+
+    Several losses: with a tuple of scalers, `loss_fn` returns a tuple of as many losses. Each
+    loss is differentiated on its own with its own scale (a forward and backward pass each, so an
+    overflow in one loss cannot reach another's gradients), its gradients are unscaled and checked
+    alone, and the returned gradients are their sum (the gradient of the summed loss). The forward
+    pass runs once per loss, so it must be deterministic: dropout would draw a new mask for each
+    loss, and a train-mode BatchNorm would update its running statistics once per loss. If the
+    sum of finite gradients overflows, every scale backs off.
+
+    Args:
+        loss_fn: `loss_fn(params, *args) -> loss`, or `-> (loss, aux)` with `has_aux`; loss 0-dim,
+            or a tuple of 0-dim losses with a tuple of scalers.
+        params: The parameters, a pytree of floating tensors in the policy's param dtype.
+        scaler: The loss-scale state, or a tuple of them, one per loss.
+        *args: Further arguments of `loss_fn` (inputs, targets, buffers). They enter the
+            `torch.func` transform as inputs, so `loss_fn` may update them in place, as a
+            train-mode BatchNorm updates running statistics passed here. A whole cast (see above)
+            hands `loss_fn` copies of floating args, so such updates are lost there.
+        policy: The precision policy.
+        has_aux: Whether `loss_fn` returns `(loss, aux)`, aux a pytree of tensors.
+
+    Returns:
+        A `Gradients` tuple.
+
+    Raises:
+        TypeError, ValueError: Naming the problem, if `loss_fn` returns anything but 0-dim floating
+            losses (one per scaler) and a tensor aux, a parameter is not a floating tensor in the
+            param dtype, `scaler` or `policy` is of the wrong type, or the scaler is on another
+            device than the params (their first accelerator) or stacked (outside vmap). Eager, also if the loss
+            reads a module's own parameters outside `params` (a module called as `model(x)`, or
+            frozen weights that still require grad), which the step would not update.
+    """
+    check_callable("loss_fn", loss_fn)
+    check_scalers(scaler)
+    check_bool("has_aux", has_aux)
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be an fmp.Policy (e.g. fmp.get_policy('c=bf16')), got {type(policy).__name__}")
+    hint = "create it there (its create(..., device=...)), or let TrainState.create move it there"
+    check_on_device(scaler, check_params(params, policy), "scaler", "params", hint)
+    scalers = scaler if isinstance(scaler, tuple) else (scaler,)
+    forward = _forward(loss_fn, policy)
+
+    def scaled_losses_fn(params: Any, *args: Any) -> tuple[tuple[torch.Tensor, ...], tuple[Any, Any]]:
+        out = forward(params, *args)
+        aux: Any = ()  # no leaves: torch.func's aux must hold tensors only
+        if has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError(f"with has_aux=True, loss_fn must return (loss, aux), got {type(out).__name__}")
+            out, aux = out
+            _check_aux(aux)
+        loss = pytree.tree_map(policy.cast_to_output, _check_losses(out, scaler))
+        losses = loss if isinstance(scaler, tuple) else (loss,)
+        return tuple(s.scale(x) for s, x in zip(scalers, losses, strict=True)), (loss, aux)
+
+    def grad_of_loss(index: int) -> tuple[Any, tuple[Any, Any]]:
+        def scaled_loss_fn(params: Any, *args: Any) -> tuple[torch.Tensor, tuple[Any, Any]]:
+            scaled, loss_and_aux = scaled_losses_fn(params, *args)
+            _warn_unless_depends_on_params(
+                scaled[index], f"loss {index}" if isinstance(scaler, tuple) else "loss", params, args
+            )
+            return scaled[index], loss_and_aux
+
+        # `args` go in as inputs, not captured: torch.func refuses in-place updates of captured
+        # tensors, such as a train-mode BatchNorm's running statistics passed as an argument.
+        return grad_and_aux(scaled_loss_fn, params, *args)
+
+    if not isinstance(scaler, tuple):
+        scaled_grads, (loss, aux) = grad_of_loss(0)
+        check_reads_no_module_parameters(loss, args)
+        grads, grads_finite = unscale_and_check(scaler, scaled_grads)
+        return Gradients(grads, grads_finite, loss, aux, grads_finite)
+    # One forward and backward pass per loss. A shared forward with one vjp per loss would send a
+    # zero cotangent through the other losses' backward, where a non-finite local derivative
+    # (0 * inf = NaN) would poison this loss's gradients and back its scale off for another's overflow.
+    per_loss, parts_finite = [], []
+    for index, s in enumerate(scalers):
+        scaled_grads, (loss, aux) = grad_of_loss(index)
+        unscaled, finite = unscale_and_check(s, scaled_grads)
+        per_loss.append(unscaled)
+        parts_finite.append(finite)
+    check_reads_no_module_parameters(loss, args)
+    grads = _tree_sum(per_loss)
+    # The sum is non-finite whenever a part is, and also when finite parts overflow on adding;
+    # then no loss is to blame alone and every scale backs off.
+    # With one loss the sum is that loss's gradients; with several, new tensors of the step's own.
+    grads_finite = owned_all_finite(grads) if len(per_loss) > 1 else parts_finite[0]
+    sum_overflowed = torch.stack(parts_finite).all() & ~grads_finite
+    finite_per_loss = tuple(finite & ~sum_overflowed for finite in parts_finite)
+    return Gradients(grads, grads_finite, loss, aux, finite_per_loss)

@@ -1,0 +1,486 @@
+"""Loss-scale states: immutable pytrees with pure `scale`, `unscale` and `adjust` methods.
+
+Every dynamic value is a 0-dim tensor leaf; hyperparameters are static fields kept in the treespec.
+`DynamicLossScale.adjust` reproduces `torch.amp.GradScaler.update` exactly under default bounds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+from typing import TypeVar
+from typing import cast
+
+import torch
+import torch.utils._pytree as pytree
+
+from fmp._checks import check_int
+from fmp._checks import check_real
+from fmp._donation import writable
+from fmp._scale_values import FLOAT32_MAX
+from fmp._scale_values import FLOAT32_TINY
+from fmp._scale_values import checked_device
+from fmp._scale_values import checked_scale
+from fmp._scale_values import float32_inward
+from fmp._scale_values import scale_tensor
+from fmp._struct import pytree_dataclass
+from fmp._struct import replace
+from fmp._struct import static_field
+from fmp._tree import check_finite_flag
+from fmp._tree import is_inexact_tensor
+
+__all__ = [
+    "DynamicLossScale",
+    "LossScale",
+    "NoOpLossScale",
+    "StaticLossScale",
+    "check_scaler",
+    "check_scaler_values",
+    "inverse_scale",
+    "unscale_in_place",
+]
+
+Tree = TypeVar("Tree")
+
+_INT32_MAX = torch.iinfo(torch.int32).max
+# GradScaler.state_dict()'s keys, and the ones fmp adds to them.
+_GRAD_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+_FMP_KEYS = ("overflow_streak", "min_scale", "max_scale", "hysteresis")
+
+
+def _multiply_leaves(tree: Tree, factor: torch.Tensor, *, keep_dtype: bool, in_place: bool = False) -> Tree:
+    """Multiplies the floating and complex leaves of `tree` by the 0-dim float32 `factor`.
+
+    The product is formed in at least float32 (as GradScaler's kernels do), so a float16 leaf is
+    neither flushed by a tiny factor nor overflowed by a large one before rounding back. The result
+    keeps each leaf's dtype with `keep_dtype`, else follows torch's type promotion (a 0-dim float16
+    loss times the float32 scale is float32, as in GradScaler.scale). With `in_place` (and
+    `keep_dtype`) the products are written into the leaves that are `writable`, rounded alike.
+    """
+
+    def multiply(x: Any) -> Any:
+        if not is_inexact_tensor(x):
+            return x
+        compute_dtype = torch.promote_types(x.dtype, factor.dtype)
+        if in_place and writable(x):
+            return x.mul_(factor) if compute_dtype == x.dtype else x.copy_(x.to(compute_dtype) * factor)
+        # torch.result_type(x, factor), spelled so Dynamo can trace it: a 0-dim factor widens only a
+        # 0-dim x (dimensioned tensors win type promotion within a category).
+        out_dtype = x.dtype if keep_dtype or x.dim() > 0 else compute_dtype
+        return (x.to(compute_dtype) * factor).to(out_dtype)
+
+    return cast(Tree, pytree.tree_map(multiply, tree))
+
+
+class _TensorScale:
+    """`scale` and `unscale` for states whose `loss_scale` field is a 0-dim float32 tensor."""
+
+    loss_scale: torch.Tensor
+
+    def scale(self, tree: Tree) -> Tree:
+        """Multiplies floating leaves by the scale, with torch's type promotion (as GradScaler.scale).
+
+        Raises:
+            TypeError: If `tree` holds no floating-point or complex tensor (a Python float loss, say).
+        """
+        if not any(is_inexact_tensor(x) for x in pytree.tree_leaves(tree)):
+            raise TypeError(f"scale() found no floating-point tensor to scale in a {type(tree).__name__}")
+        return _multiply_leaves(tree, self.loss_scale, keep_dtype=False)
+
+    def unscale(self, tree: Tree) -> Tree:
+        """Multiplies floating leaves by 1/scale, keeping each leaf's dtype."""
+        return _multiply_leaves(tree, inverse_scale(self.loss_scale), keep_dtype=True)
+
+
+def inverse_scale(loss_scale: torch.Tensor) -> torch.Tensor:
+    """1/scale as GradScaler forms it: in double precision, rounded once to float32."""
+    # GradScaler forms 1/scale in double and rounds once to float32; doing the same keeps unscaled
+    # gradients bit-identical to torch's.
+    return loss_scale.double().reciprocal().float()
+
+
+def unscale_in_place(scaler: LossScale, tree: Tree) -> Tree:
+    """`scaler.unscale(tree)` written into `tree`'s floating and complex tensors, for donated gradients.
+
+    Bit for bit `unscale`'s values. Returns `tree`, with new tensors for the leaves that are not
+    `writable` (whose elements share memory, as an expanded tensor's do).
+    """
+    if isinstance(scaler, NoOpLossScale):
+        return tree
+    return _multiply_leaves(tree, inverse_scale(scaler.loss_scale), keep_dtype=True, in_place=True)
+
+
+@pytree_dataclass
+class NoOpLossScale:
+    """No loss scaling: `scale` and `unscale` return their input, `adjust` returns the same state."""
+
+    @classmethod
+    def create(cls) -> NoOpLossScale:
+        """Returns the state, as `StaticLossScale.create` and `DynamicLossScale.create` do theirs."""
+        return cls()
+
+    @property
+    def loss_scale(self) -> torch.Tensor:
+        """The constant scale 1.0 (a fresh CPU tensor: this state holds no tensors)."""
+        return torch.ones((), dtype=torch.float32)
+
+    def scale(self, tree: Tree) -> Tree:
+        """Returns `tree` unchanged."""
+        return tree
+
+    def unscale(self, tree: Tree) -> Tree:
+        """Returns `tree` unchanged."""
+        return tree
+
+    def adjust(self, grads_finite: torch.Tensor) -> NoOpLossScale:
+        """Returns this state; `grads_finite` is only checked for type and shape."""
+        check_finite_flag(grads_finite)
+        return self
+
+
+@pytree_dataclass
+class StaticLossScale(_TensorScale):
+    """A fixed loss scale.
+
+    Attributes:
+        loss_scale: The scale, a 0-dim float32 tensor.
+    """
+
+    loss_scale: torch.Tensor
+
+    @classmethod
+    def create(cls, loss_scale: float | torch.Tensor, *, device: torch.device | str | None = None) -> StaticLossScale:
+        """Builds a validated static scale.
+
+        Note: syncs with the host once when `loss_scale` is a tensor, to validate it.
+
+        Args:
+            loss_scale: The scale; it must be a positive, normal float32.
+            device: Where the scale tensor lives (a tensor's own device by default, else CPU; `meta`
+                too, for a shape-only run).
+
+        Returns:
+            The state.
+        """
+        return cls(scale_tensor(loss_scale, "loss_scale", device))
+
+    def adjust(self, grads_finite: torch.Tensor) -> StaticLossScale:
+        """Returns this state; `grads_finite` is only checked for type and shape."""
+        check_finite_flag(grads_finite)
+        return self
+
+
+@pytree_dataclass
+class DynamicLossScale(_TensorScale):
+    """A loss scale that backs off on overflow and grows after a run of finite steps.
+
+    Attributes:
+        loss_scale: The current scale, a 0-dim float32 tensor.
+        growth_tracker: Finite steps since the last growth or overflow, a 0-dim int32 tensor.
+        overflow_streak: Consecutive non-finite steps so far, a 0-dim int32 tensor.
+        growth_factor: Factor the scale grows by after `growth_interval` finite steps.
+        backoff_factor: Factor the scale shrinks by on an overflow.
+        growth_interval: Consecutive finite steps between growths.
+        min_scale: The scale never backs off below this.
+        max_scale: The scale never grows above this.
+        hysteresis: The scale backs off only from the `hysteresis`-th consecutive overflow on.
+    """
+
+    loss_scale: torch.Tensor
+    growth_tracker: torch.Tensor
+    overflow_streak: torch.Tensor
+    growth_factor: float = static_field(default=2.0)
+    backoff_factor: float = static_field(default=0.5)
+    growth_interval: int = static_field(default=2000)
+    min_scale: float = static_field(default=FLOAT32_TINY)
+    max_scale: float = static_field(default=FLOAT32_MAX)
+    hysteresis: int = static_field(default=1)
+
+    @classmethod
+    def create(
+        cls,
+        init_scale: float | torch.Tensor = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float = FLOAT32_TINY,
+        max_scale: float = FLOAT32_MAX,
+        hysteresis: int = 1,
+        device: torch.device | str | None = None,
+    ) -> DynamicLossScale:
+        """Builds a validated dynamic scale; the defaults are torch.amp.GradScaler's.
+
+        `min_scale`, `max_scale` and `hysteresis` default to values that never bind while torch's
+        scale is a normal float32, so the trajectory equals GradScaler's out of the box.
+
+        Note: syncs with the host once when `init_scale` is a tensor, to validate it.
+
+        Args:
+            init_scale: The starting scale, a positive normal float32.
+            growth_factor: Growth factor, > 1.
+            backoff_factor: Backoff factor, in (0, 1).
+            growth_interval: Consecutive finite steps before each growth, in [1, 2**31 - 1]; for a
+                scale that never grows use `StaticLossScale` or `max_scale=init_scale`.
+            min_scale: Floor of the scale, at least float32's smallest normal number; stored
+                rounded up to a float32.
+            max_scale: Ceiling of the scale, in [min_scale, float32 max]; stored rounded down to a
+                float32.
+            hysteresis: Consecutive overflows before the scale backs off, >= 1 (DeepSpeed's
+                `hysteresis` with `consecutive_hysteresis=True`: any finite step resets the count).
+            device: Where the state's tensors live (a tensor `init_scale`'s own device by default,
+                else CPU); put it on the parameters' device (`meta` too, for a shape-only run).
+
+        Returns:
+            The state.
+
+        Raises:
+            TypeError, ValueError: Naming the bad argument and its allowed range.
+        """
+        scale, own_device = checked_scale(init_scale, "init_scale")
+        low = check_real("min_scale", min_scale, FLOAT32_TINY, FLOAT32_MAX, high_inclusive=True)
+        high = check_real("max_scale", max_scale, low, FLOAT32_MAX, high_inclusive=True)
+        min_scale, max_scale = float32_inward(low, up=True), float32_inward(high, up=False)
+        if min_scale > max_scale:
+            raise ValueError(f"no float32 scale lies in [min_scale, max_scale] = [{low}, {high}]")
+        # init_scale must lie within the bounds up to its own rounding to float32, then is clamped in.
+        if not float32_inward(low, up=False) <= scale <= float32_inward(high, up=True):
+            raise ValueError(f"init_scale ({scale}) must lie in [min_scale, max_scale] = [{low}, {high}]")
+        device = own_device if device is None else checked_device(device)
+        zero = torch.zeros((), dtype=torch.int32, device=device)
+        return cls(
+            loss_scale=torch.tensor(min(max(scale, min_scale), max_scale), dtype=torch.float32, device=device),
+            growth_tracker=zero,
+            overflow_streak=zero.clone(),
+            growth_factor=check_real("growth_factor", growth_factor, 1.0, math.inf, low_inclusive=False),
+            backoff_factor=check_real("backoff_factor", backoff_factor, 0.0, 1.0, low_inclusive=False),
+            growth_interval=check_int("growth_interval", growth_interval, 1, _INT32_MAX),
+            min_scale=min_scale,
+            max_scale=max_scale,
+            hysteresis=check_int("hysteresis", hysteresis, 1, _INT32_MAX),
+        )
+
+    def adjust(self, grads_finite: torch.Tensor) -> DynamicLossScale:
+        """Returns the state after one step whose gradients were finite or not; branch-free.
+
+        Finite step: the tracker counts up, and on reaching `growth_interval` the scale grows
+        (unless that would overflow float32 or pass `max_scale`) and the tracker restarts.
+        Non-finite step: the tracker restarts and, from the `hysteresis`-th consecutive overflow on,
+        the scale backs off (never below `min_scale`).
+
+        Args:
+            grads_finite: A 0-dim bool tensor, e.g. `fmp.all_finite(grads)`.
+
+        Returns:
+            The new state.
+        """
+        check_finite_flag(grads_finite)
+        scale = self.loss_scale
+        tracker = self.growth_tracker + 1
+        # Saturates rather than wrapping after 2**31 - 1 consecutive overflows.
+        streak = self.overflow_streak.clamp(max=_INT32_MAX - 1) + 1
+        grow = grads_finite & (tracker >= self.growth_interval)
+        back_off = ~grads_finite & (streak >= self.hysteresis)
+        # torch's kernel multiplies the float scale by a double factor and rounds once to float; a
+        # float64 product of the two is that same double, so this is bit-identical to GradScaler.
+        scale64 = scale.double()
+        grown = (scale64 * self.growth_factor).float()
+        # GradScaler keeps the old scale when growing would overflow float32.
+        grown = torch.where(torch.isfinite(grown), grown, scale)
+        backed_off = (scale64 * self.backoff_factor).float()
+        new_scale = torch.where(grow, grown, torch.where(back_off, backed_off, scale))
+        zero = torch.zeros_like(tracker)
+        return replace(
+            self,
+            loss_scale=new_scale.clamp(self.min_scale, self.max_scale),
+            growth_tracker=torch.where(grads_finite & ~grow, tracker, zero),
+            overflow_streak=torch.where(grads_finite, zero, streak),
+        )
+
+    def state_dict(self) -> dict[str, float | int]:
+        """The state in `torch.amp.GradScaler.state_dict()`'s format, plus fmp's own fields.
+
+        `GradScaler.load_state_dict` takes it as it is (it reads its five keys and ignores
+        `overflow_streak`, `min_scale`, `max_scale` and `hysteresis`), so a run moves from fmp to
+        torch.amp mid-training and the scale goes on as it would have.
+
+        Note: syncs with the host, to read the scale and the counters; call it when checkpointing.
+
+        Returns:
+            A dict of Python numbers.
+
+        Raises:
+            ValueError: If the state is stacked (an ensemble's scalers): GradScaler's format holds one;
+                or on the meta device, where it holds no values.
+        """
+        if self.loss_scale.is_meta:
+            raise ValueError("state_dict() reads the scale's values, which a state on the meta device does not hold")
+        if self.loss_scale.dim() != 0:
+            raise ValueError(
+                f"state_dict() describes one scaler, but this state is stacked (loss_scale shape "
+                f"{tuple(self.loss_scale.shape)}); take each member's with fmp.unstack_tree(scaler, i).state_dict(), "
+                f"or save the whole state with torch.save"
+            )
+        return {
+            "scale": float(self.loss_scale),
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+            "_growth_tracker": int(self.growth_tracker),
+            "overflow_streak": int(self.overflow_streak),
+            "min_scale": self.min_scale,
+            "max_scale": self.max_scale,
+            "hysteresis": self.hysteresis,
+        }
+
+    @classmethod
+    def from_state_dict(
+        cls, state_dict: Mapping[str, Any], *, device: torch.device | str | None = None
+    ) -> DynamicLossScale:
+        """Builds the state from `torch.amp.GradScaler(...).state_dict()` or from `state_dict()`.
+
+        A run moves from torch.amp to fmp mid-training with the scale trajectory GradScaler would
+        have followed. fmp's own fields take their defaults when absent (GradScaler's dicts).
+
+        Note: syncs with the host once, to validate the scale (as `create`).
+
+        Args:
+            state_dict: The saved state.
+            device: Where the state's tensors live; put it on the parameters' device (`meta` too).
+
+        Returns:
+            The state.
+
+        Raises:
+            TypeError, ValueError: Naming the key, if the dict is empty (a disabled GradScaler's),
+                lacks a key, has an unknown one, or holds a value out of range; never a silent reset.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+        if not state_dict:
+            raise ValueError(
+                "the loss-scale state_dict is empty, as a disabled GradScaler (enabled=False) saves it; "
+                "use fmp.NoOpLossScale() for a run without loss scaling"
+            )
+        missing = [key for key in _GRAD_SCALER_KEYS if key not in state_dict]
+        unknown = sorted(set(state_dict) - set(_GRAD_SCALER_KEYS) - set(_FMP_KEYS))
+        if missing or unknown:
+            raise ValueError(
+                f"not a GradScaler or fmp.DynamicLossScale state_dict: missing keys {missing}, unknown keys {unknown}"
+            )
+        scale, own_device = checked_scale(state_dict["scale"], "state_dict['scale']")
+        try:
+            scaler = cls.create(
+                init_scale=scale,
+                growth_factor=state_dict["growth_factor"],
+                backoff_factor=state_dict["backoff_factor"],
+                growth_interval=state_dict["growth_interval"],
+                min_scale=state_dict.get("min_scale", FLOAT32_TINY),
+                max_scale=state_dict.get("max_scale", FLOAT32_MAX),
+                hysteresis=state_dict.get("hysteresis", 1),
+                device=own_device if device is None else device,
+            )
+        except (TypeError, ValueError) as error:  # create's argument names, as the dict's keys
+            raise type(error)(f"state_dict: {str(error).replace('init_scale', 'scale')}") from None
+        tracker = check_int(
+            "state_dict['_growth_tracker']", state_dict["_growth_tracker"], 0, scaler.growth_interval - 1
+        )
+        streak = check_int("state_dict['overflow_streak']", state_dict.get("overflow_streak", 0), 0, _INT32_MAX)
+        like = scaler.growth_tracker
+        return replace(
+            scaler,
+            growth_tracker=torch.tensor(tracker, dtype=like.dtype, device=like.device),
+            overflow_streak=torch.tensor(streak, dtype=like.dtype, device=like.device),
+        )
+
+
+LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
+"""Any of fmp's loss-scale states."""
+
+
+def check_scaler(scaler: Any) -> None:
+    """Raises a TypeError naming the type unless `scaler` is one of fmp's loss-scale states of 0-dim tensors."""
+    if not isinstance(scaler, LossScale):
+        raise TypeError(
+            f"scaler must be an fmp loss-scale state (e.g. DynamicLossScale.create()), got {type(scaler).__name__}"
+        )
+    name = type(scaler).__name__
+    for path, leaf in pytree.tree_flatten_with_path(scaler)[0]:
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"{name} holds a {type(leaf).__name__} where a tensor belongs; build it with {name}.create(...), "
+                f"which checks and converts its arguments (the constructor takes tensors as they are)"
+            )
+        if leaf.dim() != 0:  # 0-dim per member under vmap; a stacked state outside it would broadcast
+            raise ValueError(
+                f"{name}{pytree.keystr(path)} has shape {tuple(leaf.shape)}, but a loss-scale state holds 0-dim "
+                f"tensors: run a stacked state (fmp.stack_trees) under torch.func.vmap, or take one member "
+                f"with fmp.unstack_tree"
+            )
+
+
+def _refuse(name: str, kind: str, field: str, problem: str) -> None:
+    raise ValueError(f"{name}.{field} {problem}; build the state with {kind}.create(...) or load a sound checkpoint")
+
+
+def check_scaler_values(scaler: Any, name: str = "scaler") -> None:
+    """Raises a ValueError naming the field unless every value of a loss-scale state is in range.
+
+    For states that did not come from `create` (the raw constructor, a loaded checkpoint): the
+    scale is a real float32 tensor that requires no grad, positive, normal and, for a dynamic one,
+    in `[min_scale, max_scale]`; the counters are int32 in range; the hyperparameters are those
+    `create` accepts. Stacked states (an ensemble's) are checked member by member.
+
+    Note: syncs with the host, to read the values; call it where a state enters, not per step.
+
+    Args:
+        scaler: The loss-scale state.
+        name: What to call it in the error, e.g. "state.scaler[1]".
+
+    Raises:
+        TypeError: If `scaler` is not a loss-scale state.
+        ValueError: Naming the first field out of range.
+    """
+    if not isinstance(scaler, LossScale):
+        raise TypeError(f"{name} must be an fmp loss-scale state, got {type(scaler).__name__}")
+    if isinstance(scaler, NoOpLossScale):
+        return
+    kind = type(scaler).__name__
+    scale = scaler.loss_scale
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
+        found = scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__
+        _refuse(name, kind, "loss_scale", f"must be a float32 tensor, got {found}")
+    if scale.requires_grad:
+        _refuse(name, kind, "loss_scale", "requires grad (a scale is state, not a parameter: detach it)")
+    low, high = FLOAT32_TINY, FLOAT32_MAX
+    if isinstance(scaler, DynamicLossScale):
+        try:
+            checked = DynamicLossScale.create(
+                init_scale=1.0,
+                growth_factor=scaler.growth_factor,
+                backoff_factor=scaler.backoff_factor,
+                growth_interval=scaler.growth_interval,
+                min_scale=min(scaler.min_scale, 1.0),
+                max_scale=max(scaler.max_scale, 1.0),
+                hysteresis=scaler.hysteresis,
+                device="meta",
+            )
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{name}: {error}") from None
+        low, high = scaler.min_scale, scaler.max_scale
+        if not checked.min_scale <= low <= high <= checked.max_scale:
+            _refuse(
+                name,
+                kind,
+                "min_scale/max_scale",
+                f"must satisfy {FLOAT32_TINY} <= min_scale <= max_scale, got {low}, {high}",
+            )
+        for field, top in (("growth_tracker", scaler.growth_interval - 1), ("overflow_streak", _INT32_MAX)):
+            counter = getattr(scaler, field)
+            if not isinstance(counter, torch.Tensor) or counter.dtype != torch.int32:
+                kind_found: object = counter.dtype if isinstance(counter, torch.Tensor) else type(counter).__name__
+                _refuse(name, kind, field, f"must be an int32 tensor, got {kind_found}")
+            if not counter.is_meta and not bool(((counter >= 0) & (counter <= top)).all()):
+                _refuse(name, kind, field, f"must lie in [0, {top}], got {counter.tolist()}")
+    if not scale.is_meta and not bool((torch.isfinite(scale) & (scale >= low) & (scale <= high)).all()):
+        _refuse(name, kind, "loss_scale", f"must be a finite scale in [{low}, {high}], got {scale.tolist()}")

@@ -1,0 +1,186 @@
+"""The training state: parameters, optimizer state, loss scale, step counts, gradient accumulator."""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import NamedTuple
+
+import torch
+import torch.utils._pytree as pytree
+
+from fmp._accumulate import GradientAccumulator
+from fmp._checks import check_int
+from fmp._grad import ScalerTree
+from fmp._grad import check_param_leaves
+from fmp._grad import check_scalers
+from fmp._optimizer import Optimizer
+from fmp._struct import serializable_namedtuple
+from fmp._tree import check_on_device
+from fmp._tree import tree_accelerator_device
+
+__all__ = ["StepCounts", "TrainState", "check_model_state", "check_optimizer"]
+
+
+@serializable_namedtuple
+class StepCounts(NamedTuple):
+    """Optimizer steps applied and skipped, counted on device (no host sync), as 0-dim int64 tensors.
+
+    A step here is an optimizer step: with gradient accumulation, one per `accumulation_steps`
+    micro-batches.
+
+    Attributes:
+        applied: Steps whose update was applied.
+        skipped: Steps skipped because their gradients were not finite.
+        overflow_streak: Consecutive skipped steps up to now (0 after an applied step).
+        stalled: Consecutive skipped steps whose overflowing loss had its scale at the minimum
+            (`min_scale` of a `DynamicLossScale`; a static scale is always at its minimum), so
+            backing off can no longer help; `raise_if_stalled` reads it.
+    """
+
+    applied: torch.Tensor
+    skipped: torch.Tensor
+    overflow_streak: torch.Tensor
+    stalled: torch.Tensor
+
+    @classmethod
+    def zeros(cls, device: torch.device | None = None) -> StepCounts:
+        """All counts at zero, on `device` (CPU by default)."""
+        zero = torch.zeros((), dtype=torch.int64, device=device)
+        return cls(zero, zero.clone(), zero.clone(), zero.clone())
+
+    def check(self, device: torch.device | None) -> None:
+        """Raises naming the field unless each count is a 0-dim int64 tensor on `device` (None: any).
+
+        Raises:
+            TypeError: If a count is not an int64 tensor.
+            ValueError: If a count is not 0-dim (a stacked state outside vmap) or is on another device.
+        """
+        for field, count in zip(self._fields, self, strict=True):
+            if not (isinstance(count, torch.Tensor) and count.dtype == torch.int64):
+                found = f"{count.dtype}{list(count.shape)}" if isinstance(count, torch.Tensor) else type(count).__name__
+                raise TypeError(f"state.counts.{field} must be a 0-dim int64 tensor, got {found}")
+            if count.dim() != 0:
+                raise ValueError(
+                    f"state.counts.{field} has shape {tuple(count.shape)}, but a step's counts are 0-dim: run a "
+                    f"stacked state (fmp.stack_trees) under torch.func.vmap, or take one member with fmp.unstack_tree"
+                )
+        hint = "build the state with TrainState.create, which puts it there"
+        check_on_device(self, device, "state.counts", "params", hint)
+
+    def advance(self, stepped: torch.Tensor, applied: torch.Tensor, stalled: torch.Tensor) -> StepCounts:
+        """The counts after one call of the step; branch-free.
+
+        Args:
+            stepped: Whether this call ended an optimizer step, a 0-dim bool tensor.
+            applied: Whether the update was applied (implies `stepped`).
+            stalled: Whether the step was skipped with an overflowing loss's scale at its minimum.
+
+        Returns:
+            The new counts.
+        """
+        skipped = stepped & ~applied
+        stalled = skipped & stalled
+        streak = torch.where(skipped, self.overflow_streak + 1, torch.where(applied, 0, self.overflow_streak))
+        return StepCounts(
+            applied=self.applied + applied.long(),
+            skipped=self.skipped + skipped.long(),
+            overflow_streak=streak,
+            stalled=torch.where(stalled, self.stalled + 1, torch.where(stepped, 0, self.stalled)),
+        )
+
+
+@serializable_namedtuple
+class TrainState(NamedTuple):
+    """Everything a training step updates.
+
+    Attributes:
+        params: The parameters, a pytree of tensors in the policy's param dtype.
+        opt_state: The optimizer's state.
+        scaler: The loss-scale state, or a tuple of them, one per loss.
+        counts: Applied and skipped optimizer steps (`StepCounts`).
+        accumulator: The gradient accumulator; `()` (no leaves, unlike None, which torch's pytree
+            counts as a leaf) when every call is an optimizer step.
+        model_state: The model's state that is not trained, such as BatchNorm's running
+            statistics (flax's `batch_stats`): `()` for none, else a pytree of tensors that
+            the loss function takes after the params and returns updated (see `train_step`).
+    """
+
+    params: Any
+    opt_state: Any
+    scaler: ScalerTree
+    counts: StepCounts
+    accumulator: GradientAccumulator | tuple[()]
+    model_state: Any = ()
+
+    @classmethod
+    def create(
+        cls,
+        params: Any,
+        optimizer: Optimizer,
+        scaler: ScalerTree,
+        *,
+        accumulation_steps: int = 1,
+        model_state: Any = (),
+    ) -> TrainState:
+        """Builds the state for `params`: initialises the optimizer, puts everything on their device.
+
+        Args:
+            params: The parameters, a pytree of tensors.
+            optimizer: A pure optimizer, e.g. `fmp.optim.adamw(...)`.
+            scaler: The loss-scale state, or a tuple of them for a loss function that returns as
+                many losses; its tensors move to the params' device (the first accelerator among
+                several), where the step's finite flag lives, so a compiled step sees one device
+                from the first call on.
+            accumulation_steps: Micro-batches per optimizer step: with more than 1, each call of
+                the step adds its gradients to float32 accumulators, and every
+                `accumulation_steps`-th call updates with their mean (see `GradientAccumulator`).
+            model_state: The model's untrained state, e.g. the buffers of `fmp.nn.split(model)`;
+                with it, the step calls `loss_fn(params, model_state, *args)`, which returns
+                `(out, new_model_state)`.
+
+        Returns:
+            The state.
+
+        Raises:
+            TypeError, ValueError: If an argument has the wrong type or `accumulation_steps` < 1,
+                or a leaf of `model_state` is not a tensor or is tracked by autograd.
+        """
+        check_optimizer(optimizer)
+        check_scalers(scaler)
+        check_param_leaves(params)
+        check_model_state(model_state)
+        steps = check_int("accumulation_steps", accumulation_steps, 1, torch.iinfo(torch.int32).max)
+        device = tree_accelerator_device(params)
+        if device is not None:
+            scaler = pytree.tree_map(lambda t: t.to(device), scaler)
+        accumulator = GradientAccumulator.create(params, scaler, steps) if steps > 1 else ()
+        return cls(params, optimizer.init(params), scaler, StepCounts.zeros(device), accumulator, model_state)
+
+
+def check_model_state(model_state: Any) -> None:
+    """Raises naming the leaf unless every leaf of `model_state` is a tensor that autograd does not track.
+
+    Raises:
+        TypeError: For a leaf that is not a tensor, or an `nn.Parameter` or tensor that requires grad.
+    """
+    leaves = pytree.tree_leaves(model_state)
+    if all(type(x) is torch.Tensor and not x.requires_grad for x in leaves):
+        return
+    # Key paths only for the message: flattening with them costs several times a plain flatten.
+    for path, leaf in pytree.tree_flatten_with_path(model_state)[0]:
+        where = f"model_state{pytree.keystr(path)}"
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"{where} is a {type(leaf).__name__}; every leaf of model_state must be a tensor")
+        if leaf.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(leaf):
+            raise TypeError(
+                f"{where} requires grad: model state is not trained; pass it .detach()ed "
+                f"(fmp.nn.split(model) returns trainable params and buffers apart)"
+            )
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """Raises a TypeError naming the type unless `optimizer` is an `fmp.optim.Optimizer`."""
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"optimizer must be an fmp.optim.Optimizer (e.g. fmp.optim.adamw()), got {type(optimizer).__name__}"
+        )

@@ -1,0 +1,356 @@
+"""The mixed-precision training step: cast, scale, differentiate, unscale, check, update, adjust.
+
+Everything here is a pure function of its arguments (unless the caller donates the state, see
+`train_step`) and reads no tensor value on the host, so a step compiles whole under
+`torch.compile(fullgraph=True)` and maps under `torch.func.vmap`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
+from typing import TypeVar
+from typing import cast
+
+import torch
+import torch.utils._pytree as pytree
+
+from fmp._accumulate import GradientAccumulator
+from fmp._checks import check_bool
+from fmp._checks import check_int
+from fmp._donation import check_distinct
+from fmp._donation import copy_aliases
+from fmp._donation import donate_into
+from fmp._donation import select_into
+from fmp._donation import writes_in_place
+from fmp._grad import Gradients
+from fmp._grad import LossFn
+from fmp._grad import ScalerTree
+from fmp._grad import mixed_precision_grad
+from fmp._loss_scale import DynamicLossScale
+from fmp._loss_scale import LossScale
+from fmp._loss_scale import NoOpLossScale
+from fmp._model_state import has_model_state
+from fmp._model_state import returning_model_state
+from fmp._model_state import settle_model_state
+from fmp._norm import global_norm
+from fmp._optimizer import Optimizer
+from fmp._policy import Policy
+from fmp._scaler import adjust_each
+from fmp._state import StepCounts
+from fmp._state import TrainState
+from fmp._state import check_model_state
+from fmp._state import check_optimizer
+from fmp._struct import serializable_namedtuple
+from fmp._tree import check_finite_flag
+from fmp._tree import select_tree
+from fmp._tree import tree_accelerator_device
+
+__all__ = ["LossScaleStalledError", "StepInfo", "mixed_precision_step", "raise_if_stalled", "train_step"]
+
+Params = TypeVar("Params")
+
+
+@serializable_namedtuple
+class StepInfo(NamedTuple):
+    """What a training step reports, for logging; all on device.
+
+    Attributes:
+        loss: The unscaled loss (of this micro-batch), in the policy's output dtype; a tuple of
+            them for several losses.
+        applied: 0-dim bool tensor: True when this call updated the params. With gradient
+            accumulation only the last micro-batch of a window can apply the update.
+        grads_finite: 0-dim bool tensor: True when this call's gradients were finite (without
+            accumulation, the same as `applied`).
+        loss_scale: The scale this call's gradients were computed with; a tuple of them for a
+            tuple of scalers.
+        grad_norm: With `train_step(..., grad_norm=True)`, the global L2 norm of the unscaled
+            gradients the optimizer's update received (`fmp.optim.global_norm`, what
+            `clip_grad_norm_` returns, before any clipping), non-finite when they overflowed;
+            with accumulation, that of the window's sums so far over its length (on the
+            window's last call, the mean gradient it updates with). Otherwise `()`, as `aux`.
+        aux: The loss function's auxiliary output; `()` (no leaves, so vmap can return it) unless `has_aux`.
+    """
+
+    loss: Any
+    applied: torch.Tensor
+    grads_finite: torch.Tensor
+    loss_scale: Any
+    grad_norm: torch.Tensor | tuple[()]
+    aux: Any
+
+
+def _is_scaler(node: Any) -> bool:
+    return isinstance(node, LossScale)
+
+
+def _at_min_scale(scaler: LossScale) -> torch.Tensor | bool:
+    """Whether backing off can no longer lower the scale: a dynamic scale at `min_scale`, or any fixed one."""
+    if isinstance(scaler, DynamicLossScale):
+        return scaler.loss_scale <= scaler.min_scale
+    return True
+
+
+def _stalled(scaler: ScalerTree, finite_per_loss: Any) -> torch.Tensor:
+    """Whether a loss overflowed with its scale at the minimum (computed for every call, used on skips)."""
+    per_loss = pytree.tree_leaves(
+        pytree.tree_map(lambda s, finite: ~finite & _at_min_scale(s), scaler, finite_per_loss, is_leaf=_is_scaler)
+    )
+    return per_loss[0] if len(per_loss) == 1 else torch.stack(per_loss).any()
+
+
+def _loss_scale(scaler: ScalerTree, device: torch.device) -> Any:
+    """The scales for `StepInfo`, on the step's device (a NoOpLossScale holds no tensor to place it)."""
+
+    def scale_of(s: LossScale) -> torch.Tensor:
+        return torch.ones((), device=device) if isinstance(s, NoOpLossScale) else s.loss_scale
+
+    return pytree.tree_map(scale_of, scaler, is_leaf=_is_scaler)
+
+
+def _check_finite_per_loss(finite_per_loss: Any, scaler: Any) -> None:
+    """Raises unless `reduce_grads` kept `finite_per_loss`'s structure: one flag per scaler of the state."""
+    if isinstance(scaler, tuple):
+        if isinstance(finite_per_loss, tuple) and len(finite_per_loss) == len(scaler):
+            return
+        expected = f"a tuple of {len(scaler)} flags, one per scaler of state.scaler"
+    elif isinstance(finite_per_loss, torch.Tensor):
+        return
+    else:
+        expected = "one flag (a 0-dim bool tensor), as state.scaler is one scaler"
+    got = f"a tuple of {len(finite_per_loss)}" if isinstance(finite_per_loss, tuple) else type(finite_per_loss).__name__
+    raise TypeError(f"reduce_grads' finite_per_loss must be {expected}, got {got}")
+
+
+def train_step(
+    loss_fn: LossFn,
+    state: TrainState,
+    *args: Any,
+    policy: Policy,
+    optimizer: Optimizer,
+    has_aux: bool = False,
+    donate: bool = False,
+    reduce_grads: Callable[[Gradients], Gradients] | None = None,
+    grad_norm: bool = False,
+) -> tuple[TrainState, StepInfo]:
+    """One mixed-precision optimizer step; skipped (state kept bit for bit) when gradients overflow.
+
+    On a non-finite step the returned params and optimizer state equal the inputs bit for bit and
+    only the scaler moves (it backs off). Without `donate`, inputs are never mutated.
+    `state.counts` counts applied and skipped steps on device, and the optimizer's own step count
+    (hence its learning-rate schedule) advances on applied steps only.
+
+    Several losses: with a tuple of scalers in `state.scaler`, `loss_fn` returns a tuple of as many
+    losses; each loss is scaled, unscaled and checked on its own, its scaler adjusts by its own
+    overflow, and the update (of the summed gradients) is skipped when any loss overflowed.
+
+    Gradient accumulation (`TrainState.create(..., accumulation_steps=k)`): each call takes one
+    micro-batch and adds its unscaled gradients to float32 sums; the k-th call updates with their
+    mean. If any micro-batch of the window was non-finite, or their sum overflows, that update is
+    skipped whole. The scale stays fixed through a window and adjusts once at its end, backing off
+    once for a bad window. Every call computes the optimizer's update and keeps it only at a
+    window's end (branch-free).
+
+    Donation, as `jax.jit`'s `donate_argnums`: with `donate=True` the caller hands over `state` and
+    must not read it after the call; the loss and `aux` it returns keep their values (eager, one
+    that shares the state's memory is copied first; compiled, every one is). Under
+    `torch.compile` the step then writes the new values into its buffers instead of allocating new
+    ones (the returned state lives in the same buffers), which saves the allocation, the page faults
+    of fresh memory on CPU, and peak memory; with the state's tensors marked static
+    (`torch._dynamo.mark_static_address`) the step replays as CUDA graphs under
+    `mode="reduce-overhead"`. Params made with `v.detach()` share their module's storage, so
+    donating them updates the module too. Eager, the step writes the new params and optimizer state
+    into the donated ones (the select that keeps a skipped step's values writes in place), so they
+    need no fresh memory; the scaler, the counts and the accumulator come back new, as does a tensor
+    whose elements share memory (an expanded one), and nothing is written before the step has
+    computed everything it returns. The values are those of the pure step: bit for bit eager, and
+    compiled in float32 compute, or in 16-bit compute when Inductor rounds intermediates as eager
+    does (`options={"emulate_precision_casts": True}`); otherwise Inductor's fusions skip 16-bit
+    roundings differently in the two graphs. Do not donate under `torch.func` transforms (`grad`,
+    `vmap`), which need the inputs intact (eager, a donated step there, or one that autograd
+    records, writes nothing in place). Every donated tensor must own its memory: one tensor listed
+    twice raises, but two tensors that view one storage (tied weights taken as two `state_dict()`
+    entries) cannot be told apart without reading addresses, which Dynamo does not trace; list tied
+    weights once.
+
+    Args:
+        loss_fn: `loss_fn(params, *args) -> loss`, or `-> (loss, aux)` with `has_aux`; loss 0-dim,
+            or a tuple of 0-dim losses, one per scaler. With model state in `state.model_state`
+            (`TrainState.create(..., model_state=buffers)`), `loss_fn(params, model_state,
+            *args) -> (out, new_model_state)`, `out` being what it would return otherwise: it
+            gets a copy of the model state to update (`fmp.nn.call` returns a module's updated
+            buffers) and the step returns what it gives back, on skipped steps too, as
+            BatchNorm's running statistics move under torch.amp.
+        state: The training state, from `TrainState.create`.
+        *args: Further arguments of `loss_fn` (with accumulation, one micro-batch).
+        policy: The precision policy.
+        optimizer: A pure optimizer, e.g. `fmp.optim.adamw(...)`.
+        has_aux: Whether `loss_fn` returns `(loss, aux)`.
+        donate: Whether the step may overwrite the tensors of `state` (see above).
+        reduce_grads: Applied to each call's `Gradients` before they are accumulated or used, e.g.
+            to average them across data-parallel ranks (`fmp.distributed`); it must return
+            `Gradients` of the same structure, and flags that every rank agrees on.
+        grad_norm: Whether to report the gradients' global norm in `info.grad_norm`. Compiled
+            for a CPU, Inductor takes it in the loop that checks the gradients; eager, it reads
+            them once more.
+
+    Returns:
+        `(new_state, info)`; `info.applied` says whether the update was applied.
+
+    Raises:
+        TypeError: If `state` is not a TrainState (or its counts not StepCounts of 0-dim int64
+            tensors), `optimizer` not an Optimizer, or `donate` or `grad_norm` not a bool.
+        ValueError: If `donate` and the state lists one tensor twice (under torch.compile Dynamo
+            reports it as `torch._dynamo.exc.Unsupported` carrying this message), or the scaler
+            or the counts are on another device than the params (their first accelerator).
+    """
+    check_bool("donate", donate)
+    check_bool("grad_norm", grad_norm)
+    if reduce_grads is not None and not callable(reduce_grads):
+        raise TypeError(f"reduce_grads must be a function of fmp.Gradients, got {type(reduce_grads).__name__}")
+    if not isinstance(state, TrainState):
+        raise TypeError(f"state must be an fmp.TrainState (TrainState.create(...)), got {type(state).__name__}")
+    check_optimizer(optimizer)
+    if not isinstance(state.counts, StepCounts):
+        got = type(state.counts).__name__
+        raise TypeError(f"state.counts must be an fmp.StepCounts (TrainState.create makes one), got {got}")
+    if donate:
+        check_distinct(state, "state")  # before anything is written
+    params, opt_state, scaler, model_state = state.params, state.opt_state, state.scaler, state.model_state
+    if has_model_state(model_state):
+        check_model_state(model_state)
+        stateful = returning_model_state(loss_fn, has_aux)
+        gradients = mixed_precision_grad(stateful, params, scaler, model_state, *args, policy=policy, has_aux=True)
+        aux, new_model_state = gradients.aux
+        new_model_state = settle_model_state(new_model_state, model_state)
+        gradients = gradients._replace(aux=aux)
+    else:
+        gradients = mixed_precision_grad(loss_fn, params, scaler, *args, policy=policy, has_aux=has_aux)
+        new_model_state = model_state
+    state.counts.check(gradients.grads_finite.device)  # where the params are (their first accelerator)
+    if reduce_grads is not None:
+        gradients = reduce_grads(gradients)
+        if not isinstance(gradients, Gradients):
+            raise TypeError(f"reduce_grads must return fmp.Gradients, got {type(gradients).__name__}")
+        _check_finite_per_loss(gradients.finite_per_loss, state.scaler)
+        check_finite_flag(gradients.grads_finite, "reduce_grads' grads_finite")
+        for index, flag in enumerate(pytree.tree_leaves(gradients.finite_per_loss)):
+            check_finite_flag(flag, f"reduce_grads' finite_per_loss[{index}]")
+    grads, grads_finite, loss, aux, finite_per_loss = gradients
+    accumulator = state.accumulator
+    if isinstance(accumulator, GradientAccumulator):
+        window = accumulator.add(grads, grads_finite, finite_per_loss)
+        stepped, grads, window_finite, step_per_loss, accumulator = window
+        applied = stepped & window_finite
+        # The scale stays fixed inside a window and adjusts once, by the whole window's flags.
+        new_scaler = select_tree(stepped, adjust_each(scaler, step_per_loss), scaler)
+    elif accumulator == ():
+        stepped, applied, step_per_loss = torch.ones_like(grads_finite), grads_finite, finite_per_loss
+        new_scaler = adjust_each(scaler, finite_per_loss)
+    else:
+        raise TypeError(f"state.accumulator must be () or a GradientAccumulator, got {type(accumulator).__name__}")
+    norm: torch.Tensor | tuple[()] = global_norm(grads).to(grads_finite.device) if grad_norm else ()
+    updated = optimizer.update(grads, opt_state, params)
+    writes_eagerly = donate and writes_in_place(updated, (params, opt_state))
+    if writes_eagerly or (donate and torch.compiler.is_compiling()):
+        # The loss and aux the step returns keep their values when the state's buffers are written.
+        loss, aux = copy_aliases((loss, aux), state)
+    if writes_eagerly:
+        new_params, new_opt_state = select_into(applied, updated, (params, opt_state))
+    else:
+        new_params, new_opt_state = select_tree(applied, updated, (params, opt_state))
+    counts = state.counts.advance(stepped, applied, _stalled(scaler, step_per_loss))
+    # Model state moves on a skipped step too, as a module's buffers do under torch.amp.
+    new_state = TrainState(new_params, new_opt_state, new_scaler, counts, accumulator, new_model_state)
+    loss_scale = _loss_scale(scaler, grads_finite.device)
+    if donate:
+        # The donated scalers' buffers receive the new scales.
+        loss_scale = pytree.tree_map(torch.clone, loss_scale)
+        new_state = donate_into(state, new_state)
+    return new_state, StepInfo(loss, applied, grads_finite, loss_scale, norm, aux)
+
+
+def mixed_precision_step(
+    loss_fn: LossFn,
+    params: Params,
+    scaler: LossScale,
+    *args: Any,
+    policy: Policy,
+    optimizer: Optimizer,
+    donate: bool = False,
+) -> tuple[Params, LossScale]:
+    """One mixed-precision step with a stateless optimizer: `(params, scaler) -> (params, scaler)`.
+
+    The short form of `train_step` for optimizers that keep no state (e.g. `fmp.optim.sgd(lr)`).
+    Stateful optimizers need `train_step`, which threads their state through. Create `scaler` on the
+    params' device (`DynamicLossScale.create(device=...)`): its state follows the gradients there.
+
+    Args:
+        loss_fn: `loss_fn(params, *args) -> 0-dim loss`.
+        params: The parameters, a pytree of tensors.
+        scaler: The loss-scale state.
+        *args: Further arguments of `loss_fn`.
+        policy: The precision policy.
+        optimizer: A stateless pure optimizer.
+        donate: Whether the step may overwrite `params` and `scaler` (see `train_step`).
+
+    Returns:
+        `(new_params, new_scaler)`.
+
+    Raises:
+        TypeError: If `optimizer` is not an fmp Optimizer (and as `train_step`).
+        ValueError: If the optimizer keeps state, or (with `donate`) a tensor is listed twice.
+    """
+    check_optimizer(optimizer)
+    opt_state = optimizer.init(params)
+    if pytree.tree_leaves(opt_state):
+        raise ValueError(
+            "mixed_precision_step takes a stateless optimizer; this one keeps state "
+            "(momentum, moments): use fmp.train_step with fmp.TrainState.create(params, optimizer, scaler)"
+        )
+    state = TrainState(params, opt_state, scaler, StepCounts.zeros(tree_accelerator_device(params)), ())
+    new_state, _ = train_step(loss_fn, state, *args, policy=policy, optimizer=optimizer, donate=donate)
+    return new_state.params, cast(LossScale, new_state.scaler)
+
+
+class LossScaleStalledError(FloatingPointError):
+    """Raised by `raise_if_stalled`: steps keep overflowing at the minimum loss scale."""
+
+
+def raise_if_stalled(state: TrainState, patience: int) -> None:
+    """Fails fast when training has stalled: the last `patience` optimizer steps all overflowed at the minimum scale.
+
+    Opt-in, as DeepSpeed's error at `min_loss_scale`: once the scale cannot back off further,
+    skipped steps mean gradients that are non-finite at any scale (NaN or inf in the data, the
+    labels or the model), and a run that goes on skips every step in silence. Call this where you
+    log; the step itself never raises on values, which would need a host sync.
+
+    Note: syncs with the host, to read `state.counts.stalled`.
+
+    Args:
+        state: The training state (a vmapped ensemble's stacked state too: any member stalls it).
+        patience: How many consecutive stalled steps are tolerated, >= 1.
+
+    Raises:
+        LossScaleStalledError: If `state.counts.stalled >= patience`, with the scale in the message.
+        TypeError, ValueError: If `state` is not a TrainState or `patience` is not a positive int.
+    """
+    if not isinstance(state, TrainState):
+        raise TypeError(f"state must be an fmp.TrainState, got {type(state).__name__}")
+    patience = check_int("patience", patience, 1, torch.iinfo(torch.int64).max)
+    stalled = state.counts.stalled
+    worst = int(stalled.max())
+    if worst < patience:
+        return
+    where = f" (ensemble members {stalled.ge(patience).nonzero().flatten().tolist()})" if stalled.dim() else ""
+    scales = pytree.tree_map(lambda t: t.tolist(), _loss_scale(state.scaler, stalled.device))
+    dynamic = any(isinstance(s, DynamicLossScale) for s in pytree.tree_leaves(state.scaler, is_leaf=_is_scaler))
+    remedy = "lower min_scale" if dynamic else "use a lower fixed scale or a DynamicLossScale"
+    raise LossScaleStalledError(
+        f"the last {worst} optimizer steps{where} were all skipped: their gradients overflowed with the loss scale "
+        f"at its minimum ({scales}), so backing off cannot help. Look for inf or NaN in the inputs, the labels or "
+        f"the model (a log of 0, a division by 0, an exploding activation), or {remedy}. "
+        f"fmp.debug.locate_nonfinite(loss_fn, state.params, *batch, policy=policy, scaler=state.scaler) names "
+        f"the first op and module to make inf or NaN"
+    )

@@ -1,0 +1,417 @@
+"""Contiguous gradient storage for autograd users: each parameter's `.grad` a view into one flat buffer.
+
+`loss.backward()` gives each parameter a gradient tensor of its own, so an unscale runs once per
+gradient: hundreds of small gradients cost hundreds of loops (or launches), plus the compiled
+wrapper's bookkeeping for every one of them. `GradientBuffer.attach(params)` allocates one flat
+buffer per dtype and makes each parameter's `.grad` a view into it. Backward accumulates into those
+views in place, optimizers read them as ordinary gradients, `unscale_` unscales and checks all of
+them in one compiled pass over one tensor per buffer, writing in place, and `step` has a fused
+torch optimizer skip an overflowed step on the device.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Iterable
+from collections.abc import Mapping
+from typing import Any
+from typing import TypeVar
+
+import torch
+
+from fmp._checks import check_bool
+from fmp._loss_scale import LossScale
+from fmp._scaler import compiled_unscale_and_adjust
+from fmp._scaler import unscale_and_adjust
+from fmp._tree import _ROW_LENGTH
+from fmp._tree import check_finite_flag
+
+__all__ = ["GradientBuffer"]
+
+# Each view starts on a 64-byte boundary, so that vectorized kernels (multi-tensor optimizers on
+# GPUs among them) see aligned gradients. The padding between views stays zero: backward never
+# writes it, and zero is finite and unscales to zero.
+_ALIGNMENT_BYTES = 64
+
+ScaleT = TypeVar("ScaleT", bound=LossScale)
+
+
+def _describe(index: int, param: torch.Tensor, name: str | None) -> str:
+    named = f"{name!r}, " if name is not None else ""
+    return f"params[{index}] ({named}shape {tuple(param.shape)}, {param.dtype})"
+
+
+def _named(entry: Any) -> tuple[str | None, Any]:
+    """An entry of `attach`'s params as `(name, param)`: a `(name, tensor)` pair, or a tensor (name None)."""
+    if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str):
+        return entry[0], entry[1]
+    return None, entry
+
+
+def _check_param(index: int, param: Any, name: str | None, first_index: dict[int, int]) -> torch.Tensor:
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(f"params[{index}] is a {type(param).__name__}, not a tensor (nor a (name, tensor) pair)")
+    where = _describe(index, param, name)
+    if type(param) not in (torch.Tensor, torch.nn.Parameter):
+        raise TypeError(f"{where} is a {type(param).__name__}: a flat buffer holds plain tensors' gradients only")
+    if param.layout != torch.strided:
+        raise ValueError(f"{where} has layout {param.layout}: only dense (strided) gradients fit a flat buffer")
+    if not param.requires_grad:
+        raise ValueError(
+            f"{where} does not require grad, so backward would never write its .grad; attach the trainable "
+            f"ones only: (p for p in model.parameters() if p.requires_grad)"
+        )
+    if not param.is_leaf:
+        raise ValueError(f"{where} is not a leaf tensor: autograd accumulates .grad into leaves only")
+    if param.grad is not None and param.grad.layout != torch.strided:
+        raise ValueError(f"{where} has a {param.grad.layout} gradient: only dense gradients fit a flat buffer")
+    if id(param) in first_index:
+        raise ValueError(f"{where} is listed twice, as params[{first_index[id(param)]}] and params[{index}]")
+    first_index[id(param)] = index
+    return param
+
+
+def _padded(numel: int, multiple: int) -> int:
+    return -(-numel // multiple) * multiple
+
+
+def _is_non_overlapping_and_dense(x: torch.Tensor) -> bool:
+    """Whether `x`'s elements fill a block of memory exactly once, in some order of its dimensions."""
+    expected = 1
+    for size, stride in sorted((s, t) for s, t in zip(x.shape, x.stride(), strict=True) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _view_like(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
+    """`param.numel()` elements of `buffer` from `offset`, shaped as `param`, strided as autograd would.
+
+    autograd's layout contract: a non-overlapping and dense parameter's gradient has its strides (a
+    transposed or channels-last weight), which fused optimizers also expect of their state; any
+    other parameter's gradient is contiguous.
+    """
+    if param.numel() > 0 and _is_non_overlapping_and_dense(param):
+        return buffer.as_strided(param.shape, param.stride(), buffer.storage_offset() + offset)
+    return buffer[offset : offset + param.numel()].view(param.shape)
+
+
+def _check_skips_on_device(optimizer: Any) -> None:
+    """Raises a TypeError unless `optimizer` leaves everything unchanged on a step with `found_inf` 1."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    name = type(optimizer).__name__
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        raise TypeError(
+            f"{name} cannot skip a step on the device: only torch optimizers built with fused=True "
+            "(Adam, AdamW, Adagrad, SGD) read found_inf; the others would apply an overflowed step. "
+            "Build it with fused=True, or use fmp.optim with fmp.train_step"
+        )
+    if isinstance(optimizer, torch.optim.SGD) and any(group["momentum"] != 0 for group in optimizer.param_groups):
+        raise TypeError(
+            "fused SGD with momentum cannot skip its first step: torch's _fused_sgd leaves the momentum "
+            "buffers uninitialized when found_inf is 1 then; use fused AdamW, or fmp.optim.sgd with fmp.train_step"
+        )
+
+
+class _Accumulation:
+    """Whether the gradients are new since the last unscale: a backward accumulated into them, or `zero_()` ran.
+
+    A post-accumulate-grad hook on each parameter sets it, which only autograd's accumulation
+    fires: an in-place edit of the gradients (`clip_grad_norm_`) leaves it as it was. The hooks
+    hold it weakly and are taken off the parameters when it dies with the last handle sharing
+    it (a buffer attached again, after moving the model, say, leaves no hooks of the old one).
+    """
+
+    def __init__(self, params: tuple[torch.Tensor, ...]) -> None:
+        self.since_unscale = True  # gradients copied in at attach may be unscaled once
+        flag = weakref.ref(self)
+
+        def mark(param: torch.Tensor) -> None:
+            alive = flag()
+            if alive is not None:
+                alive.since_unscale = True
+
+        hooks = [param.register_post_accumulate_grad_hook(mark) for param in params]  # type: ignore[no-untyped-call]
+        weakref.finalize(self, _remove_hooks, hooks)
+
+
+def _remove_hooks(hooks: list[Any]) -> None:
+    for hook in hooks:
+        hook.remove()
+
+
+class GradientBuffer:
+    """The gradients of a list of parameters, kept in one flat buffer per dtype.
+
+    A host-side handle, like a `torch.optim.Optimizer`: it refers to the parameters and is not a
+    pytree. Build it with `attach`. Every parameter then has a gradient (zeros until a backward
+    writes it), as with DDP's `gradient_as_bucket_view`: one that no loss reaches keeps a zero
+    gradient where it would otherwise have none, which optimizers with weight decay or momentum
+    act on. Move or cast the model before attaching: `.to()` or `.half()` afterwards gives the
+    parameters new gradients outside the buffer (`flat` then raises).
+
+    Example:
+        ```python
+        grads = fmp.interop.GradientBuffer.attach(model.parameters())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        for x, y in data:
+            scaler.scale(loss_fn(model(x), y)).backward()
+            grads_finite, scaler = grads.unscale_(scaler)
+            grads.step(optimizer, grads_finite)  # skipped on the device when not finite
+            grads.zero_()
+        ```
+    """
+
+    def __init__(
+        self,
+        params: tuple[torch.Tensor, ...],
+        names: tuple[str | None, ...],
+        views: tuple[torch.Tensor, ...],
+        buffers: tuple[torch.Tensor, ...],
+        compiled: bool,
+    ) -> None:
+        """Wraps what `attach` built; call `attach` instead."""
+        self._params = params
+        self._names = names
+        self._param_ids = frozenset(id(param) for param in params)
+        self._views = views
+        self._buffers = buffers
+        self._compiled = compiled
+        self._view_pointers = tuple(view.data_ptr() for view in views)
+        self._accumulation = _Accumulation(params)
+
+    @classmethod
+    def attach(
+        cls,
+        params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        *,
+        compiled: bool = True,
+    ) -> GradientBuffer:
+        """Allocates the buffers and makes each parameter's `.grad` a view into them.
+
+        Parameters are grouped by dtype, one buffer per group in order of first appearance, and
+        laid out in the order given. A gradient a parameter already has is copied into its view,
+        so nothing accumulated so far is lost. Every entry is checked before any `.grad` changes.
+
+        Args:
+            params: Leaf tensors on one device that require grad, each listed once (e.g.
+                `model.parameters()`), or `(name, tensor)` pairs (`model.named_parameters()`, or a
+                dict of them), whose names the errors then give.
+            compiled: Whether `unscale_` and `unscale_and_clip_` run `torch.compile`d (a C++
+                compiler on CPU, seconds of compiling on first use, one pass per buffer) or
+                eagerly (`unscale_and_adjust`: no compiler, several passes); the results are
+                bit for bit the same.
+
+        Returns:
+            The buffer handle.
+
+        Raises:
+            TypeError: If an entry is not a tensor, or is a tensor subclass (such as a DTensor),
+                or `compiled` is not a bool.
+            ValueError: If `params` is empty or spans several devices, or an entry is sparse or has
+                a sparse gradient, does not require grad, is not a leaf, or is listed twice.
+        """
+        check_bool("compiled", compiled)
+        first_index: dict[int, int] = {}
+        # A dict by name (dict(model.named_parameters())) iterates over its keys: take its items.
+        named = [_named(entry) for entry in (params.items() if isinstance(params, Mapping) else params)]
+        checked = [_check_param(i, p, name, first_index) for i, (name, p) in enumerate(named)]
+        names = tuple(name for name, _ in named)
+        if not checked:
+            raise ValueError("params is empty: there are no gradients to keep in a buffer")
+        devices = list(dict.fromkeys(str(param.device) for param in checked))
+        if len(devices) > 1:
+            raise ValueError(f"params span {', '.join(devices)}: attach one GradientBuffer per device")
+        groups: dict[torch.dtype, list[int]] = {}
+        for i, param in enumerate(checked):
+            groups.setdefault(param.dtype, []).append(i)
+        views: dict[int, torch.Tensor] = {}
+        buffers = []
+        with torch.no_grad():  # copying a gradient in must not record autograd history
+            for dtype, members in groups.items():
+                alignment = max(1, _ALIGNMENT_BYTES // checked[members[0]].element_size())
+                lengths = [_padded(checked[i].numel(), alignment) for i in members]
+                # A whole number of rows, so a compiled GPU finite check reads the buffer row by
+                # row in the pass that unscales it (see fmp._tree.all_finite).
+                buffer = torch.zeros(_padded(sum(lengths), _ROW_LENGTH), device=checked[0].device, dtype=dtype)
+                offsets = itertools.accumulate(lengths, initial=0)
+                for i, offset in zip(members, offsets, strict=False):  # one offset more than members
+                    view = _view_like(buffer, offset, checked[i])
+                    existing = checked[i].grad
+                    if existing is not None:
+                        view.copy_(existing)
+                    checked[i].grad = view
+                    views[i] = view
+                buffers.append(buffer)
+        return cls(tuple(checked), names, tuple(views[i] for i in range(len(checked))), tuple(buffers), compiled)
+
+    def flat(self) -> tuple[torch.Tensor, ...]:
+        """The buffers, one 1-D tensor per dtype, after checking each `.grad` is still its view.
+
+        Returns:
+            The flat buffers, in order of each group's first parameter. Writing to them writes the
+            parameters' gradients (that is what `unscale_` does).
+
+        Raises:
+            RuntimeError: If a parameter's `.grad` is no longer its view into the buffer: set to
+                None (`optimizer.zero_grad()` does that by default), replaced (a backward after
+                such a zero_grad, an assignment, or a backward with `create_graph=True`), or moved
+                to new memory (the model moved or cast after `attach`).
+        """
+        for index, (param, view, pointer) in enumerate(
+            zip(self._params, self._views, self._view_pointers, strict=True)
+        ):
+            if param.grad is view and view.data_ptr() == pointer:
+                continue
+            where = _describe(index, param, self._names[index])
+            if param.grad is None:
+                raise RuntimeError(
+                    f"{where} has .grad None, so its gradient is no longer in the buffer: zero gradients "
+                    "with GradientBuffer.zero_() or optimizer.zero_grad(set_to_none=False), not set_to_none"
+                )
+            if param.grad is view:
+                raise RuntimeError(
+                    f"{where} has a .grad that no longer points into the buffer: the model was moved or cast "
+                    "(.to(), .half()) after attach; attach a new GradientBuffer after moving it"
+                )
+            raise RuntimeError(
+                f"{where} has a .grad that is not its view into the buffer: a backward after "
+                "optimizer.zero_grad() (set_to_none) gave it a new one, or it was assigned, or a backward with "
+                "create_graph=True accumulated out of place. zero_() re-attaches the views but discards "
+                "the gradients they hold; zero with GradientBuffer.zero_() before each backward"
+            )
+        return self._buffers
+
+    def zero_(self) -> None:
+        """Zeros every gradient, one fill per buffer, and re-attaches any `.grad` set to None or replaced."""
+        for buffer in self._buffers:
+            buffer.zero_()
+        self._accumulation.since_unscale = True  # gradients written by hand after this unscale once
+        for param, view in zip(self._params, self._views, strict=True):
+            if param.grad is not view:
+                param.grad = view
+
+    def unscale_(self, scaler: ScaleT) -> tuple[torch.Tensor, ScaleT]:
+        """Unscales every gradient in place, checks them and moves the scale: GradScaler's `unscale_` + `update`.
+
+        One `fmp.unscale_and_adjust(scaler, self.flat(), donate=True)`, compiled: a pass over each
+        buffer that writes the unscaled values back and checks them (the unscaled values, unlike
+        GradScaler's kernel). Where the compiled function falls back to eager (past Dynamo's
+        recompile limit, with a warning), the eager function unscales the buffers in place, so
+        the gradients are unscaled in place either way.
+
+        Args:
+            scaler: The loss-scale state the gradients were computed with.
+
+        Returns:
+            `(grads_finite, new_scaler)`: a 0-dim bool tensor, True when every gradient is finite
+            (on the device: nothing is read on the host), and the adjusted scaler state.
+
+        Raises:
+            RuntimeError: As `flat`, if a `.grad` is no longer its view; or if neither a backward
+                nor `zero_()` has renewed the gradients since the last `unscale_` or
+                `unscale_and_clip_` (they would be unscaled twice; an in-place edit such as
+                `clip_grad_norm_` renews nothing, and gradients written by hand need a `zero_()`
+                first).
+            TypeError, ValueError: As `fmp.unscale_and_adjust`, for a wrong scaler or one on
+                another device than the gradients.
+        """
+        buffers = self._unscalable_buffers()
+        unscale = compiled_unscale_and_adjust if self._compiled else unscale_and_adjust
+        unscaled, grads_finite, _, new_scaler = unscale(scaler, buffers, donate=True)
+        self._write_back(buffers, unscaled)
+        return grads_finite, new_scaler
+
+    def unscale_and_clip_(self, scaler: ScaleT, max_norm: float) -> tuple[torch.Tensor, torch.Tensor, ScaleT]:
+        """`unscale_`, then every gradient clipped to a global L2 norm of `max_norm`, in place.
+
+        GradScaler's `unscale_`, `torch.nn.utils.clip_grad_norm_(params, max_norm)` and `update`
+        as one `fmp.unscale_and_adjust(scaler, self.flat(), max_norm=max_norm, donate=True)`: each
+        buffer is read twice and written once, where torch.amp reads and writes the gradients five
+        times. The norm is taken over the buffers (the padding between views is zero, so it is
+        the gradients' norm), in another order of sums than `clip_grad_norm_`'s.
+
+        Args:
+            scaler: The loss-scale state the gradients were computed with.
+            max_norm: The largest global norm let through, > 0 (`inf` only measures the norm).
+
+        Returns:
+            `(grads_finite, grad_norm, new_scaler)`: the finite flag, the global norm of the
+            unscaled gradients before clipping (0-dim, on the device) and the adjusted scaler.
+
+        Raises:
+            RuntimeError, TypeError, ValueError: As `unscale_`, or if `max_norm` is not a positive
+                real number.
+        """
+        buffers = self._unscalable_buffers()
+        unscale = compiled_unscale_and_adjust if self._compiled else unscale_and_adjust
+        clipped, grads_finite, grad_norm, new_scaler = unscale(scaler, buffers, max_norm=max_norm, donate=True)
+        self._write_back(buffers, clipped)
+        assert grad_norm is not None  # for mypy: max_norm was given
+        return grads_finite, grad_norm, new_scaler
+
+    def _unscalable_buffers(self) -> tuple[torch.Tensor, ...]:
+        buffers = self.flat()
+        if not self._accumulation.since_unscale:
+            raise RuntimeError(
+                "the gradients were already unscaled: no backward has accumulated into them since, nor has "
+                "zero_() cleared them (an in-place edit such as clip_grad_norm_ or optimizer.zero_grad() counts "
+                "as neither), so they would be unscaled twice; zero_() and run a backward (or write new "
+                "gradients) first"
+            )
+        return buffers
+
+    def _write_back(self, buffers: tuple[torch.Tensor, ...], results: tuple[torch.Tensor, ...]) -> None:
+        # The results are the buffers (donated), compiled or eager, except where eager donation
+        # writes nothing (fmp._donation.writes_in_place: under a torch.func transform, say).
+        for buffer, values in zip(buffers, results, strict=True):
+            if values.data_ptr() != buffer.data_ptr():
+                buffer.copy_(values)
+        self._accumulation.since_unscale = False
+
+    def _check_owns(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raises if `optimizer` steps a parameter whose gradient no GradientBuffer holds (no `unscale_` saw it).
+
+        A parameter without a gradient (a frozen one) is not stepped, and one whose gradient is a
+        view (as every buffer's gradients are: one buffer per device, say) may be another buffer's.
+        """
+        for group_index, group in enumerate(optimizer.param_groups):
+            for index, param in enumerate(group["params"]):
+                grad = param.grad
+                if grad is not None and grad._base is None and id(param) not in self._param_ids:
+                    raise ValueError(
+                        f"the optimizer steps param_groups[{group_index}]['params'][{index}] "
+                        f"(shape {tuple(param.shape)}, {param.dtype}), whose gradient no GradientBuffer holds: "
+                        "unscale_ never unscaled it, so it would be applied times the loss scale; "
+                        "attach a buffer to every parameter the optimizer steps"
+                    )
+
+    def step(self, optimizer: torch.optim.Optimizer, grads_finite: torch.Tensor) -> None:
+        """Takes `optimizer`'s step, which leaves params and state unchanged where `grads_finite` is False.
+
+        The decision stays on the device: the optimizer gets `found_inf = ~grads_finite`, as
+        GradScaler hands it to optimizers whose fused kernels skip on the device (torch's Adam,
+        AdamW, Adagrad and SGD without momentum, built with `fused=True`).
+
+        Args:
+            optimizer: A fused torch optimizer over (some of) this buffer's parameters.
+            grads_finite: The 0-dim bool tensor `unscale_` returned.
+
+        Raises:
+            TypeError: If `optimizer` is not a torch optimizer that skips on the device (not fused,
+                or fused SGD with momentum, whose first skipped step leaves its momentum
+                uninitialized), or `grads_finite` is not a tensor.
+            ValueError: If `grads_finite` is not a 0-dim bool tensor, or the optimizer steps a
+                parameter this buffer does not hold.
+        """
+        _check_skips_on_device(optimizer)
+        check_finite_flag(grads_finite)
+        self._check_owns(optimizer)
+        optimizer.found_inf = (~grads_finite).float()  # type: ignore[attr-defined]
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf  # type: ignore[attr-defined]

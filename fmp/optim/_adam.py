@@ -1,0 +1,249 @@
+"""Adam and AdamW as pure functions, numerically matching `torch.optim.Adam` and `torch.optim.AdamW`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+from typing import NamedTuple
+from typing import cast
+
+import torch
+import torch.utils._pytree as pytree
+
+from fmp._checks import check_real
+from fmp._donation import writes_in_place
+from fmp._optimizer import Optimizer
+from fmp._struct import serializable_namedtuple
+from fmp._tree import takes_foreach
+from fmp.optim._base import LearningRate
+from fmp.optim._base import check_lr
+from fmp.optim._base import check_params
+from fmp.optim._base import check_schedule_start
+from fmp.optim._base import check_state
+from fmp.optim._base import leaves_like_params
+from fmp.optim._base import scheduled_lr
+from fmp.optim._base import step_counter
+from fmp.optim._base import tree_zeros_like
+from fmp.optim._base import unflatten_as
+
+__all__ = ["AdamState", "adam", "adamw"]
+
+
+@serializable_namedtuple
+class AdamState(NamedTuple):
+    """State of Adam and AdamW.
+
+    Attributes:
+        step: Applied steps so far, a 0-dim int32 tensor (bias correction reads it on device).
+        exp_avg: First-moment estimates, shaped like the parameters.
+        exp_avg_sq: Second-moment estimates, shaped like the parameters.
+    """
+
+    step: torch.Tensor
+    exp_avg: Any
+    exp_avg_sq: Any
+
+
+def _real(x: torch.Tensor) -> torch.Tensor:
+    # torch.optim's Adam treats a complex number as two reals: |g|^2, not g*g, in the second moment.
+    return torch.view_as_real(x) if x.is_complex() else x
+
+
+def _like(real: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_complex(real) if like.is_complex() else real
+
+
+def _check_eps_in_param_dtypes(name: str, eps: float, params: Any, leaves: list[Any]) -> None:
+    """Raises unless `eps` is nonzero in every param's dtype, in which Adam adds it to the denominator.
+
+    In float16, eps=1e-8 rounds to 0: a param whose gradients are all 0 (or below ~5e-3, whose
+    squares underflow) divides by 0 and becomes NaN or inf, with finite gradients, so the step is
+    applied. Read from the dtypes alone: no sync.
+    """
+    for dtype in dict.fromkeys(leaf.dtype for leaf in leaves):
+        info = torch.finfo(dtype)
+        if 2 * eps <= info.tiny * info.eps:  # at most half the smallest subnormal: rounds to 0
+            key = next(
+                pytree.keystr(path) for path, leaf in pytree.tree_flatten_with_path(params)[0] if leaf.dtype == dtype
+            )
+            raise ValueError(
+                f"{name}: eps={eps} rounds to 0 in {dtype}, params{key}'s dtype, where it is added to the "
+                f"denominator: an element whose gradients are all 0 or tiny would become NaN or inf. Keep the "
+                f"params in float32 (a policy's params=float32) or give eps >= {info.tiny * info.eps:.3g}"
+            )
+
+
+def _check_dense(name: str, grads: Any, grad_leaves: list[Any]) -> None:
+    """Raises naming the first sparse gradient: Adam's moments are dense, as torch.optim.Adam's refusal says."""
+    for index, grad in enumerate(grad_leaves):
+        if isinstance(grad, torch.Tensor) and grad.layout != torch.strided:
+            path = pytree.keystr(pytree.tree_flatten_with_path(grads)[0][index][0])
+            raise TypeError(
+                f"{name} does not take sparse gradients, as torch.optim's Adam and AdamW do not: grads{path} is "
+                f"{grad.layout}. Train sparse embeddings with fmp.optim.sgd, or pass sparse=False to nn.Embedding"
+            )
+
+
+def _adam(
+    lr: LearningRate, betas: tuple[float, float], eps: float, weight_decay: float, *, decoupled: bool
+) -> Optimizer:
+    name = "adamw" if decoupled else "adam"
+    lr = check_lr(lr)
+    if not isinstance(betas, tuple | list) or len(betas) != 2:
+        raise TypeError(f"betas must be a pair of floats, got {betas!r}")
+    beta1 = check_real("betas[0]", betas[0], 0.0, 1.0)
+    beta2 = check_real("betas[1]", betas[1], 0.0, 1.0)
+    eps = check_real("eps", eps, 0.0, math.inf)
+    if float(torch.tensor(eps, dtype=torch.float32)) == 0.0:
+        raise ValueError(
+            f"{name}: eps must be > 0 in float32, got {eps}: with eps=0, an element whose gradients have all "
+            f"been 0 divides 0 by 0 and its param becomes NaN"
+        )
+    weight_decay = check_real("weight_decay", weight_decay, 0.0, math.inf)
+
+    def init(params: Any) -> AdamState:
+        check_params(name, params)
+        _check_eps_in_param_dtypes(name, eps, params, pytree.tree_leaves(params))
+        step = step_counter(params)
+        check_schedule_start(lr, step, name)
+        return AdamState(step, tree_zeros_like(params), tree_zeros_like(params))
+
+    def update(grads: Any, state: AdamState, params: Any) -> tuple[Any, AdamState]:
+        check_state(name, state, AdamState)
+        trees = {"grads": grads, "opt_state.exp_avg": state.exp_avg, "opt_state.exp_avg_sq": state.exp_avg_sq}
+        spec, param_leaves, leaves, specs = leaves_like_params(name, params, trees)
+        _check_eps_in_param_dtypes(name, eps, params, param_leaves)
+        grad_leaves, exp_avg_leaves, exp_avg_sq_leaves = leaves
+        _check_dense(name, grads, grad_leaves)
+        # A schedule sees the applied steps before this one; a float lr passes through as is. A
+        # scheduled lr is taken in double precision, as torch takes a Python float lr.
+        lr_now = scheduled_lr(lr, state.step)
+        lr_now = lr_now.double() if isinstance(lr_now, torch.Tensor) else lr_now
+        step = state.step + 1
+        # torch forms the bias corrections in double precision; so does this, on device.
+        bias_correction1 = 1.0 - torch.pow(beta1, step.double())
+        bias_correction2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, step.double()))
+        # One stacked tensor: Inductor computes it once, where two 0-dim results would be inlined
+        # into the update and their pows recomputed for every vector of every parameter (3x slower on CPU).
+        scalars = [lr_now / bias_correction1, bias_correction2_sqrt]
+        scheduled_decay = False
+        if decoupled and weight_decay and isinstance(lr_now, torch.Tensor):
+            # torch forms 1 - lr * weight_decay in double precision too, then multiplies in opmath.
+            scheduled_decay = True
+            scalars.append(1.0 - lr_now * weight_decay)
+        step_scalars = torch.stack(scalars)
+        # Eager, the arithmetic below writes into its own temporaries where it may (the same ops,
+        # so the same bits): half the allocations, each a pass over fresh memory. Compiled, Inductor
+        # fuses the pure form into one loop; autograd (of a learned lr too) and torch.func need it pure.
+        in_place = writes_in_place(grads, state, params, step_scalars)
+        if not decoupled and weight_decay:
+            grad_leaves = [torch.add(g, p, alpha=weight_decay) for g, p in zip(grad_leaves, param_leaves, strict=True)]
+        every = [*param_leaves, *grad_leaves, *exp_avg_leaves, *exp_avg_sq_leaves]
+        if in_place and every and takes_foreach(every, every[0].device):
+            # The same ops, one call per op for all leaves instead of one per leaf (the same bits).
+            moment1 = list(torch._foreach_lerp(exp_avg_leaves, grad_leaves, 1.0 - beta1))
+            moment2 = list(torch._foreach_mul(exp_avg_sq_leaves, beta2))
+            torch._foreach_addcmul_(moment2, grad_leaves, grad_leaves, value=1.0 - beta2)
+            scalars32 = step_scalars.float()
+            if scheduled_decay:
+                decayed = list(torch._foreach_mul(param_leaves, scalars32[2]))
+            elif decoupled and weight_decay:
+                decayed = list(torch._foreach_mul(param_leaves, 1.0 - cast(float, lr_now) * weight_decay))
+            else:
+                decayed = param_leaves
+            denom = torch._foreach_sqrt(moment2)
+            torch._foreach_div_(denom, scalars32[1])
+            torch._foreach_add_(denom, eps)
+            step_update = torch._foreach_mul(moment1, scalars32[0])
+            torch._foreach_div_(step_update, denom)
+            updated = list(torch._foreach_sub(decayed, step_update))
+            moments = AdamState(step, unflatten_as(moment1, spec, specs[1]), unflatten_as(moment2, spec, specs[2]))
+            return pytree.tree_unflatten(updated, spec), moments
+        exp_avg = [
+            _like(torch.lerp(_real(m), _real(g), 1.0 - beta1), m)
+            for m, g in zip(exp_avg_leaves, grad_leaves, strict=True)
+        ]
+
+        def new_exp_avg_sq(v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+            decayed, g = _real(v) * beta2, _real(g)
+            if in_place:
+                return _like(decayed.addcmul_(g, g, value=1.0 - beta2), v)
+            return _like(torch.addcmul(decayed, g, g, value=1.0 - beta2), v)
+
+        exp_avg_sq = [new_exp_avg_sq(v, g) for v, g in zip(exp_avg_sq_leaves, grad_leaves, strict=True)]
+
+        def new_param(complex_param: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            param, m, v = _real(complex_param), _real(m), _real(v)
+            opmath = torch.promote_types(param.dtype, torch.float32)
+            scalars = step_scalars.to(opmath)
+            if scheduled_decay:
+                param = (param.to(opmath) * scalars[2]).to(param.dtype)
+            elif decoupled and weight_decay:
+                param = param * (1.0 - lr_now * weight_decay)
+            # torch divides by a Python float, which its kernels read in at least float32 (opmath); its
+            # addcdiv(param, m, denom, value=-step_size) forms param + (-step_size * m) / denom in
+            # opmath too and rounds once to the param dtype.
+            if in_place:
+                denom = torch.sqrt(v).div_(scalars[1]).add_(eps)
+                update = (scalars[0] * m.to(opmath)).div_(denom.to(opmath))
+                return _like(torch.sub(param.to(opmath), update, out=update).to(param.dtype), complex_param)
+            # Rounded to v's dtype before eps is added, as torch's (and the in-place form's) division
+            # by a number rounds it: a 0-dim 16-bit v divided by the 0-dim float32 tensor would
+            # otherwise stay float32.
+            denom = (torch.sqrt(v) / scalars[1]).to(v.dtype) + eps
+            update = scalars[0] * m.to(opmath) / denom.to(opmath)
+            return _like((param.to(opmath) - update).to(param.dtype), complex_param)
+
+        new_params = [new_param(p, m, v) for p, m, v in zip(param_leaves, exp_avg, exp_avg_sq, strict=True)]
+        new_state = AdamState(step, unflatten_as(exp_avg, spec, specs[1]), unflatten_as(exp_avg_sq, spec, specs[2]))
+        return pytree.tree_unflatten(new_params, spec), new_state
+
+    return Optimizer(init, update)
+
+
+def adam(
+    lr: LearningRate = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0
+) -> Optimizer:
+    """Adam with L2 weight decay folded into the gradient, as `torch.optim.Adam`.
+
+    Args:
+        lr: Learning rate, a float >= 0, or a schedule `lr(count) -> 0-dim floating tensor` (see
+            `fmp.optim.schedule`), `count` being the applied steps before this one (skipped
+            mixed-precision steps do not count).
+        betas: Decay rates of the first and second moment estimates, each in [0, 1).
+        eps: Added to the denominator, > 0 (also once rounded to float32).
+        weight_decay: L2 penalty, >= 0.
+
+    Returns:
+        The optimizer; its state is an `AdamState`.
+
+    Raises:
+        TypeError, ValueError: Naming the argument, if one is of the wrong type or out of range. A
+            schedule must return a 0-dim floating tensor (checked when `update` runs) and a finite
+            lr >= 0 at counts 0 and 1 (checked by `init`, which syncs with the host to read them).
+    """
+    return _adam(lr, betas, eps, weight_decay, decoupled=False)
+
+
+def adamw(
+    lr: LearningRate = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2
+) -> Optimizer:
+    """AdamW (decoupled weight decay), as `torch.optim.AdamW`.
+
+    Args:
+        lr: Learning rate, a float >= 0, or a schedule `lr(count) -> 0-dim floating tensor` (see
+            `fmp.optim.schedule`), `count` being the applied steps before this one (skipped
+            mixed-precision steps do not count).
+        betas: Decay rates of the first and second moment estimates, each in [0, 1).
+        eps: Added to the denominator, > 0 (also once rounded to float32).
+        weight_decay: Decoupled weight decay, >= 0.
+
+    Returns:
+        The optimizer; its state is an `AdamState`.
+
+    Raises:
+        TypeError, ValueError: Naming the argument, if one is of the wrong type or out of range. A
+            schedule must return a 0-dim floating tensor (checked when `update` runs) and a finite
+            lr >= 0 at counts 0 and 1 (checked by `init`, which syncs with the host to read them).
+    """
+    return _adam(lr, betas, eps, weight_decay, decoupled=True)

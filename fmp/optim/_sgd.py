@@ -1,0 +1,156 @@
+"""Stochastic gradient descent as a pure function, numerically matching `torch.optim.SGD`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+from typing import NamedTuple
+
+import torch
+import torch.utils._pytree as pytree
+
+from fmp._checks import check_bool
+from fmp._checks import check_real
+from fmp._optimizer import Optimizer
+from fmp._struct import serializable_namedtuple
+from fmp.optim._base import LearningRate
+from fmp.optim._base import check_lr
+from fmp.optim._base import check_params
+from fmp.optim._base import check_schedule_start
+from fmp.optim._base import check_state
+from fmp.optim._base import leaves_like_params
+from fmp.optim._base import scheduled_lr
+from fmp.optim._base import step_counter
+from fmp.optim._base import tree_zeros_like
+from fmp.optim._base import unflatten_as
+
+__all__ = ["SgdState", "sgd"]
+
+
+@serializable_namedtuple
+class SgdState(NamedTuple):
+    """State of SGD with momentum, or with a learning-rate schedule.
+
+    Attributes:
+        step: Applied steps so far, a 0-dim int32 tensor (a schedule's `count`).
+        momentum: The momentum buffers, shaped like the parameters; `()` without momentum.
+    """
+
+    step: torch.Tensor
+    momentum: Any
+
+
+def _descend(param: torch.Tensor, step: torch.Tensor, lr: float | torch.Tensor) -> torch.Tensor:
+    """`param - lr * step`, rounded as torch.optim.SGD rounds it."""
+    if isinstance(lr, float):
+        return torch.add(param, step, alpha=-lr)
+    # torch.optim's own form for a tensor lr; on CPU it rounds as add(alpha=-lr) does (one rounding
+    # of the multiply-add), so float32 and float64 results are bit-identical to a float lr of that value.
+    # 16-bit params are updated in float32 (opmath) with a float32 lr, where torch's CPU kernel rounds
+    # a float lr to the param dtype: those results may differ from torch's by an ulp.
+    opmath = torch.promote_types(param.dtype, torch.float32)
+    return torch.addcmul(param.to(opmath), step.to(opmath), lr.to(opmath), value=-1.0).to(param.dtype)
+
+
+def sgd(
+    lr: LearningRate,
+    momentum: float = 0.0,
+    *,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+) -> Optimizer:
+    """SGD with optional momentum, Nesterov momentum and L2 weight decay, as `torch.optim.SGD`.
+
+    The arithmetic is torch's, op for op, so float32 results are bit-identical to torch.optim.SGD.
+    With a float `lr` and no momentum the optimizer is stateless (its state is `()`), so it works
+    with `fmp.mixed_precision_step`. With momentum, or with a schedule, the state is an `SgdState`
+    counting the applied steps (its `momentum` is `()` without momentum); such an optimizer needs
+    `fmp.train_step`.
+
+    Args:
+        lr: Learning rate, a float >= 0, or a schedule `lr(count) -> 0-dim floating tensor` (see
+            `fmp.optim.schedule`), `count` being the 0-dim int32 tensor of applied steps before
+            this one. Skipped mixed-precision steps keep the state, so they do not advance it.
+        momentum: Momentum factor in [0, 1].
+        dampening: Dampening of momentum in [0, 1].
+        nesterov: Use Nesterov momentum (needs momentum > 0 and dampening 0, as torch).
+        weight_decay: L2 penalty added to the gradient, >= 0.
+
+    Returns:
+        The optimizer.
+
+    Raises:
+        TypeError, ValueError: Naming the argument, if one is of the wrong type or out of range.
+            A schedule must return a 0-dim floating tensor (checked when `update` runs, at trace
+            time under torch.compile) and a finite lr >= 0 at counts 0 and 1 (checked by `init`,
+            which syncs with the host to read them).
+    """
+    lr = check_lr(lr)
+    momentum = check_real("momentum", momentum, 0.0, 1.0, high_inclusive=True)
+    dampening = check_real("dampening", dampening, 0.0, 1.0, high_inclusive=True)
+    weight_decay = check_real("weight_decay", weight_decay, 0.0, math.inf)
+    nesterov = check_bool("nesterov", nesterov)
+    if nesterov and (momentum == 0.0 or dampening != 0.0):
+        raise ValueError("nesterov momentum needs momentum > 0 and dampening == 0")
+
+    def direction(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        return torch.add(grad, param, alpha=weight_decay) if weight_decay else grad
+
+    if momentum == 0.0 and isinstance(lr, float):
+        fixed_lr = lr
+
+        def init_stateless(params: Any) -> tuple[()]:
+            del params
+            return ()
+
+        def update_stateless(grads: Any, state: tuple[()], params: Any) -> tuple[Any, tuple[()]]:
+            if not (type(state) is tuple and not state):
+                raise TypeError(
+                    f"sgd without momentum keeps no state, got {type(state).__name__}: "
+                    f"was it created by another optimizer's init?"
+                )
+            spec, param_leaves, (grad_leaves,), _ = leaves_like_params("sgd", params, {"grads": grads})
+            new_params = [
+                torch.add(p, direction(g, p), alpha=-fixed_lr) for g, p in zip(grad_leaves, param_leaves, strict=True)
+            ]
+            return pytree.tree_unflatten(new_params, spec), state
+
+        return Optimizer(init_stateless, update_stateless)
+
+    name = "sgd with momentum" if momentum else "sgd with an lr schedule"
+
+    def init(params: Any) -> SgdState:
+        check_params(name, params)
+        step = step_counter(params)
+        check_schedule_start(lr, step, name)
+        return SgdState(step, tree_zeros_like(params) if momentum else ())
+
+    def update(grads: Any, state: SgdState, params: Any) -> tuple[Any, SgdState]:
+        check_state(name, state, SgdState)
+        lr_now = scheduled_lr(lr, state.step)
+        if not momentum:
+            if pytree.tree_leaves(state.momentum):
+                raise TypeError(f"{name} keeps no momentum buffers: was its state created by another optimizer's init?")
+            spec, param_leaves, (grad_leaves,), _ = leaves_like_params(name, params, {"grads": grads})
+            new_params = [_descend(p, direction(g, p), lr_now) for g, p in zip(grad_leaves, param_leaves, strict=True)]
+            return pytree.tree_unflatten(new_params, spec), SgdState(state.step + 1, state.momentum)
+        trees = {"grads": grads, "opt_state.momentum": state.momentum}
+        spec, param_leaves, (grad_leaves, buffer_leaves), specs = leaves_like_params(name, params, trees)
+        # torch seeds the buffer with the first step's direction, undamped.
+        first_step = state.step == 0
+
+        def new_buffer(grad: torch.Tensor, param: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+            d = direction(grad, param)
+            return torch.where(first_step, d, torch.add(buf * momentum, d, alpha=1.0 - dampening))
+
+        buffers = [new_buffer(*leaves) for leaves in zip(grad_leaves, param_leaves, buffer_leaves, strict=True)]
+
+        def new_param(grad: torch.Tensor, param: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+            step = torch.add(direction(grad, param), buf, alpha=momentum) if nesterov else buf
+            return _descend(param, step, lr_now)
+
+        new_params = [new_param(*leaves) for leaves in zip(grad_leaves, param_leaves, buffers, strict=True)]
+        return pytree.tree_unflatten(new_params, spec), SgdState(state.step + 1, unflatten_as(buffers, spec, specs[1]))
+
+    return Optimizer(init, update)

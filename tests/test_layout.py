@@ -1,0 +1,65 @@
+"""The package's layout: one public face per concern, no function shadowing a module, layers checked."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import pathlib
+import pkgutil
+import tomllib
+import types
+
+import pytest
+
+import fmp
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PUBLIC_PACKAGES = ["fmp", *(f"fmp.{name}" for name in ("autocast", "debug", "interop", "nn", "optim", "remat"))]
+PUBLIC_PACKAGES += ["fmp.serialization", "fmp.distributed", "fmp.optim.schedule"]
+
+
+def contracts() -> list[dict[str, object]]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    found: list[dict[str, object]] = config["tool"]["importlinter"]["contracts"]
+    return found
+
+
+def test_every_core_module_is_bound_by_the_core_contract() -> None:
+    core = next(c for c in contracts() if c["type"] == "forbidden")
+    modules = {f"fmp.{path.stem}" for path in (ROOT / "fmp").glob("_*.py") if path.stem != "__init__"}
+    assert modules and modules <= set(core["source_modules"])  # type: ignore[arg-type]
+
+
+def test_every_subpackage_is_in_a_layer_or_the_core() -> None:
+    layered = {
+        name.strip()
+        for contract in contracts()
+        if contract["type"] == "layers"
+        for layer in contract["layers"]  # type: ignore[attr-defined]
+        for name in layer.split("|")
+    }
+    core = next(c for c in contracts() if c["type"] == "forbidden")
+    subpackages = {info.name for info in pkgutil.iter_modules(fmp.__path__) if info.ispkg}
+    core_packages = {name.removeprefix("fmp.") for name in core["source_modules"]} & subpackages  # type: ignore[attr-defined]
+    assert core_packages == {"autocast"}
+    assert subpackages == layered | core_packages
+
+
+@pytest.mark.parametrize("package", PUBLIC_PACKAGES)
+def test_public_names_resolve_and_no_function_shadows_a_module(package: str) -> None:
+    module = importlib.import_module(package)
+    for name in module.__all__:
+        value = getattr(module, name)
+        submodule = f"{package}.{name}"
+        if hasattr(module, "__path__") and importlib.util.find_spec(submodule) is not None:
+            assert isinstance(value, types.ModuleType), f"{submodule} is a module shadowed by {value!r}"
+
+
+@pytest.mark.parametrize("package", PUBLIC_PACKAGES)
+def test_implementation_modules_are_private(package: str) -> None:
+    module = importlib.import_module(package)
+    if not hasattr(module, "__path__"):
+        return
+    for info in pkgutil.iter_modules(module.__path__):
+        public = f"{package}.{info.name}"
+        assert info.name.startswith("_") or public in PUBLIC_PACKAGES, f"{public} is neither private nor a public face"
