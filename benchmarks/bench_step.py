@@ -14,6 +14,10 @@ prints the median time per step and its ratio to the torch.amp row with the same
   fmp compiled sgd           fmp.train_step under torch.compile(fullgraph=True)
   fmp donated sgd / adamw    the same with donate=True: the update is written into the old buffers
   fmp donated sgd +norm      donated, also reporting the gradients' global norm (grad_norm=True)
+  fmp compiled sgd +check, fmp donated adamw +check
+                             with the update check (check_update=True): its cost, checking that
+                             the new params and optimizer state are finite, is the ratio to the
+                             row without +check
   fmp planned sgd            donated, compiled with Inductor's memory_planning (CPU only): one
                              allocation per step for all temporaries, which glibc keeps between steps
   fmp buffer sgd             the torch.amp sgd loop with fmp's scaler: a GradientBuffer holds the
@@ -167,6 +171,7 @@ def fmp_contender(
     options: dict[str, Any] | None = None,
     grad_norm: bool = False,
     bfloat16_params: bool = False,
+    check_update: bool = False,
 ) -> Contender:
     """fmp.train_step; `options` are Inductor's, for mode="default" (the counted backend) only.
 
@@ -185,7 +190,13 @@ def fmp_contender(
         optimizer = fmp.optim.stochastic_rounding(optimizer, state_dtype=torch.bfloat16)
     policy = fmp.Policy(param_dtype, setting.dtype, torch.float32)
     train_step: Callable[..., tuple[fmp.TrainState, fmp.StepInfo]] = functools.partial(
-        fmp.train_step, loss_fn, policy=policy, optimizer=optimizer, donate=donate, grad_norm=grad_norm
+        fmp.train_step,
+        loss_fn,
+        policy=policy,
+        optimizer=optimizer,
+        donate=donate,
+        grad_norm=grad_norm,
+        check_update=check_update,
     )
     counter = None
     if mode == "default":
@@ -225,11 +236,17 @@ def contender_builders(setting: Setting, device: torch.device) -> dict[str, Call
         "fmp eager adamw": lambda: fmp_contender(model(), setting, "adamw", mode=None, donate=False),
         "fmp eager donated adamw": lambda: fmp_contender(model(), setting, "adamw", mode=None, donate=True),
         "fmp compiled sgd": lambda: fmp_contender(model(), setting, "sgd", mode="default", donate=False),
+        "fmp compiled sgd +check": lambda: fmp_contender(
+            model(), setting, "sgd", mode="default", donate=False, check_update=True
+        ),
         "fmp donated sgd": lambda: fmp_contender(model(), setting, "sgd", mode="default", donate=True),
         "fmp donated sgd +norm": lambda: fmp_contender(
             model(), setting, "sgd", mode="default", donate=True, grad_norm=True
         ),
         "fmp donated adamw": lambda: fmp_contender(model(), setting, "adamw", mode="default", donate=True),
+        "fmp donated adamw +check": lambda: fmp_contender(
+            model(), setting, "adamw", mode="default", donate=True, check_update=True
+        ),
         "fmp donated adamw bf16+sr": lambda: fmp_contender(
             model(), setting, "adamw", mode="default", donate=True, bfloat16_params=True
         ),

@@ -147,9 +147,9 @@ def buffer_contenders(
     unscale_views = torch_kernels(views)
 
     def written() -> None:
-        # What a backward does between two unscales in training, at no cost: it marks the
-        # gradients written, so the buffer does not refuse them as unscaled already.
-        torch.autograd.graph.increment_version(list(buffer.flat()))
+        # What a backward's accumulate hooks do between two unscales in training, at no cost: mark
+        # the gradients renewed, so the buffer does not refuse them as unscaled already.
+        buffer._accumulation.since_unscale = True
 
     def torch_amp_clipped() -> None:
         unscale_views()

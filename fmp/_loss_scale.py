@@ -1,7 +1,9 @@
 """Loss-scale states: immutable pytrees with pure `scale`, `unscale` and `adjust` methods.
 
 Every dynamic value is a 0-dim tensor leaf; hyperparameters are static fields kept in the treespec.
-`DynamicLossScale.adjust` reproduces `torch.amp.GradScaler.update` exactly under default bounds.
+`DynamicLossScale.adjust` reproduces `torch.amp.GradScaler.update` exactly under default bounds, and
+puts a scale that is out of range (NaN, inf, 0, negative, past its bounds) back in range without a
+host sync, so a corrupted state cannot leave training skipping every step.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ __all__ = [
     "check_scaler",
     "check_scaler_values",
     "inverse_scale",
+    "scale_in_range",
     "unscale_in_place",
 ]
 
@@ -47,6 +50,10 @@ _INT32_MAX = torch.iinfo(torch.int32).max
 # GradScaler.state_dict()'s keys, and the ones fmp adds to them.
 _GRAD_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 _FMP_KEYS = ("overflow_streak", "min_scale", "max_scale", "hysteresis")
+# What a dynamic scale found out of range restarts from (clamped into its bounds): GradScaler's
+# default initial scale, from which backing off reaches 1 in 16 skipped steps. min_scale would
+# flush float16 gradients to 0 for thousands of steps, max_scale overflow for about 128.
+RESET_SCALE = 2.0**16
 
 
 def _multiply_leaves(tree: Tree, factor: torch.Tensor, *, keep_dtype: bool, in_place: bool = False) -> Tree:
@@ -166,9 +173,22 @@ class StaticLossScale(_TensorScale):
         return cls(scale_tensor(loss_scale, "loss_scale", device))
 
     def adjust(self, grads_finite: torch.Tensor) -> StaticLossScale:
-        """Returns this state; `grads_finite` is only checked for type and shape."""
+        """Returns the state with the same scale, or 1.0 where the scale is out of range; branch-free.
+
+        A scale that `create` would refuse (NaN, inf, 0, negative, subnormal: a state built with the
+        raw constructor or corrupted) becomes 1.0: a fixed scale cannot back off, and no scaling
+        cannot overflow gradients that are finite unscaled. `grads_finite` is only checked for type
+        and shape.
+
+        Args:
+            grads_finite: A 0-dim bool tensor, e.g. `fmp.all_finite(grads)`.
+
+        Returns:
+            The new state; its scale bit for bit this one's when in range.
+        """
         check_finite_flag(grads_finite)
-        return self
+        scale = self.loss_scale
+        return replace(self, loss_scale=torch.where(scale_in_range(self), scale, torch.ones_like(scale)))
 
 
 @pytree_dataclass
@@ -267,6 +287,10 @@ class DynamicLossScale(_TensorScale):
         (unless that would overflow float32 or pass `max_scale`) and the tracker restarts.
         Non-finite step: the tracker restarts and, from the `hysteresis`-th consecutive overflow on,
         the scale backs off (never below `min_scale`).
+        Scale out of range (NaN, inf, 0, negative, or outside `[min_scale, max_scale]`: a state built
+        with the raw constructor or corrupted): the state restarts as `create` builds it, at
+        `RESET_SCALE` = 2**16 clamped into `[min_scale, max_scale]` with both counters at 0, whatever
+        `grads_finite` says. Within range the result is bit for bit GradScaler's.
 
         Args:
             grads_finite: A 0-dim bool tensor, e.g. `fmp.all_finite(grads)`.
@@ -290,11 +314,14 @@ class DynamicLossScale(_TensorScale):
         backed_off = (scale64 * self.backoff_factor).float()
         new_scale = torch.where(grow, grown, torch.where(back_off, backed_off, scale))
         zero = torch.zeros_like(tracker)
+        # torch.where, not clamp: clamp passes NaN through, and a NaN scale would skip every step.
+        ok = scale_in_range(self)
+        reset = torch.full_like(scale, min(max(RESET_SCALE, self.min_scale), self.max_scale))
         return replace(
             self,
-            loss_scale=new_scale.clamp(self.min_scale, self.max_scale),
-            growth_tracker=torch.where(grads_finite & ~grow, tracker, zero),
-            overflow_streak=torch.where(grads_finite, zero, streak),
+            loss_scale=torch.where(ok, new_scale.clamp(self.min_scale, self.max_scale), reset),
+            growth_tracker=torch.where(ok & grads_finite & ~grow, tracker, zero),
+            overflow_streak=torch.where(ok & ~grads_finite, streak, zero),
         )
 
     def state_dict(self) -> dict[str, float | int]:
@@ -417,6 +444,21 @@ def check_scaler(scaler: Any) -> None:
                 f"tensors: run a stacked state (fmp.stack_trees) under torch.func.vmap, or take one member "
                 f"with fmp.unstack_tree"
             )
+
+
+def scale_in_range(scaler: LossScale) -> torch.Tensor:
+    """A 0-dim bool tensor: whether the scale is one `create` accepts; branch-free and NaN-safe.
+
+    A dynamic scale must lie in `[min_scale, max_scale]`, a static one be a positive normal float32
+    (NaN and infinities fail every comparison); a `NoOpLossScale` always is.
+    """
+    if isinstance(scaler, NoOpLossScale):
+        return torch.ones((), dtype=torch.bool)
+    scale = scaler.loss_scale
+    low, high = (
+        (scaler.min_scale, scaler.max_scale) if isinstance(scaler, DynamicLossScale) else (FLOAT32_TINY, FLOAT32_MAX)
+    )
+    return (scale >= low) & (scale <= high)
 
 
 def _refuse(name: str, kind: str, field: str, problem: str) -> None:

@@ -22,8 +22,17 @@ def checked_scale(value: Any, name: str) -> tuple[float, torch.device | None]:
     """
     device = None
     if isinstance(value, torch.Tensor):
+        if value.is_complex():
+            raise ValueError(
+                f"{name} is a {value.dtype} tensor; a loss scale is a real number: give its real part "
+                f"(e.g. {name}.real) or a float"
+            )
         if value.dim() != 0 or not value.is_floating_point():
             raise ValueError(f"{name} must be a 0-dim floating tensor, got {value.dtype}{list(value.shape)}")
+        if value.requires_grad:
+            raise ValueError(
+                f"{name} requires grad; a loss scale is state, not a parameter: pass {name}.detach() or a float"
+            )
         if value.is_meta:
             raise ValueError(f"{name} is a meta tensor, which holds no value: give a number (and device='meta')")
         # Validation at construction syncs once with the host; steps never do.

@@ -13,6 +13,7 @@ from fmp._checks import check_int
 from fmp._grad import ScalerTree
 from fmp._grad import check_param_leaves
 from fmp._grad import check_scalers
+from fmp._loss_scale import check_scaler_values
 from fmp._optimizer import Optimizer
 from fmp._struct import serializable_namedtuple
 from fmp._tree import check_on_device
@@ -30,23 +31,32 @@ class StepCounts(NamedTuple):
 
     Attributes:
         applied: Steps whose update was applied.
-        skipped: Steps skipped because their gradients were not finite.
+        skipped: Steps skipped because their gradients, their loss scale or (with
+            `train_step(..., check_update=True)`) their update were not finite.
         overflow_streak: Consecutive skipped steps up to now (0 after an applied step).
-        stalled: Consecutive skipped steps whose overflowing loss had its scale at the minimum
-            (`min_scale` of a `DynamicLossScale`; a static scale is always at its minimum), so
-            backing off can no longer help; `raise_if_stalled` reads it.
+        stalled: Consecutive skipped steps that backing off could not help: an overflowing loss
+            had its scale at the minimum (`min_scale` of a `DynamicLossScale`; a static scale is
+            always at its minimum), a loss scale was itself out of range, or the gradients were
+            finite but the update was not; `raise_if_stalled` reads it.
+        bad_scale: Of the `stalled` steps, those that ran with a loss scale out of range (NaN,
+            inf, 0, negative or past its bounds); the step put the scale back in range.
+        bad_update: Of the `stalled` steps, those whose gradients were finite but whose new params
+            or optimizer state were not (a NaN in the optimizer state, an update that overflows
+            the param dtype).
     """
 
     applied: torch.Tensor
     skipped: torch.Tensor
     overflow_streak: torch.Tensor
     stalled: torch.Tensor
+    bad_scale: torch.Tensor
+    bad_update: torch.Tensor
 
     @classmethod
     def zeros(cls, device: torch.device | None = None) -> StepCounts:
         """All counts at zero, on `device` (CPU by default)."""
         zero = torch.zeros((), dtype=torch.int64, device=device)
-        return cls(zero, zero.clone(), zero.clone(), zero.clone())
+        return cls(*(zero.clone() for _ in cls._fields))
 
     def check(self, device: torch.device | None) -> None:
         """Raises naming the field unless each count is a 0-dim int64 tensor on `device` (None: any).
@@ -67,25 +77,42 @@ class StepCounts(NamedTuple):
         hint = "build the state with TrainState.create, which puts it there"
         check_on_device(self, device, "state.counts", "params", hint)
 
-    def advance(self, stepped: torch.Tensor, applied: torch.Tensor, stalled: torch.Tensor) -> StepCounts:
+    def advance(
+        self,
+        stepped: torch.Tensor,
+        applied: torch.Tensor,
+        stalled: torch.Tensor,
+        bad_scale: torch.Tensor,
+        bad_update: torch.Tensor,
+    ) -> StepCounts:
         """The counts after one call of the step; branch-free.
 
         Args:
             stepped: Whether this call ended an optimizer step, a 0-dim bool tensor.
             applied: Whether the update was applied (implies `stepped`).
             stalled: Whether the step was skipped with an overflowing loss's scale at its minimum.
+            bad_scale: Whether a loss scale was out of range (such a step counts as stalled).
+            bad_update: Whether the gradients were finite but the update was not (stalled too).
 
         Returns:
             The new counts.
         """
         skipped = stepped & ~applied
-        stalled = skipped & stalled
+        bad_scale, bad_update = skipped & bad_scale, skipped & bad_update
+        stalled = skipped & (stalled | bad_scale | bad_update)
         streak = torch.where(skipped, self.overflow_streak + 1, torch.where(applied, 0, self.overflow_streak))
+
+        def run(count: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
+            # Counted within the current stall: a step that ends it restarts the count.
+            return torch.where(stalled, count + now.long(), torch.where(stepped, 0, count))
+
         return StepCounts(
             applied=self.applied + applied.long(),
             skipped=self.skipped + skipped.long(),
             overflow_streak=streak,
-            stalled=torch.where(stalled, self.stalled + 1, torch.where(stepped, 0, self.stalled)),
+            stalled=run(self.stalled, stalled),
+            bad_scale=run(self.bad_scale, bad_scale),
+            bad_update=run(self.bad_update, bad_update),
         )
 
 
@@ -124,6 +151,10 @@ class TrainState(NamedTuple):
     ) -> TrainState:
         """Builds the state for `params`: initialises the optimizer, puts everything on their device.
 
+        Note: syncs with the host once, to validate the scalers' values (`check_scaler_values`): a
+        scale built with the raw constructor that is NaN, inf, 0, negative or complex is refused
+        here rather than skipping steps later.
+
         Args:
             params: The parameters, a pytree of tensors.
             optimizer: A pure optimizer, e.g. `fmp.optim.adamw(...)`.
@@ -143,10 +174,13 @@ class TrainState(NamedTuple):
 
         Raises:
             TypeError, ValueError: If an argument has the wrong type or `accumulation_steps` < 1,
-                or a leaf of `model_state` is not a tensor or is tracked by autograd.
+                a leaf of `model_state` is not a tensor or is tracked by autograd, or a scaler
+                holds a value out of range (naming the field).
         """
         check_optimizer(optimizer)
         check_scalers(scaler)
+        for index, one in enumerate(scaler if isinstance(scaler, tuple) else (scaler,)):
+            check_scaler_values(one, f"scaler[{index}]" if isinstance(scaler, tuple) else "scaler")
         check_param_leaves(params)
         check_model_state(model_state)
         steps = check_int("accumulation_steps", accumulation_steps, 1, torch.iinfo(torch.int32).max)

@@ -7,6 +7,8 @@ Everything here is a pure function of its arguments (unless the caller donates t
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
@@ -31,6 +33,7 @@ from fmp._grad import mixed_precision_grad
 from fmp._loss_scale import DynamicLossScale
 from fmp._loss_scale import LossScale
 from fmp._loss_scale import NoOpLossScale
+from fmp._loss_scale import scale_in_range
 from fmp._model_state import has_model_state
 from fmp._model_state import returning_model_state
 from fmp._model_state import settle_model_state
@@ -43,6 +46,7 @@ from fmp._state import TrainState
 from fmp._state import check_model_state
 from fmp._state import check_optimizer
 from fmp._struct import serializable_namedtuple
+from fmp._tree import all_finite
 from fmp._tree import check_finite_flag
 from fmp._tree import select_tree
 from fmp._tree import tree_accelerator_device
@@ -61,8 +65,9 @@ class StepInfo(NamedTuple):
             them for several losses.
         applied: 0-dim bool tensor: True when this call updated the params. With gradient
             accumulation only the last micro-batch of a window can apply the update.
-        grads_finite: 0-dim bool tensor: True when this call's gradients were finite (without
-            accumulation, the same as `applied`).
+        grads_finite: 0-dim bool tensor: True when this call's gradients were finite and every
+            loss scale was in range (without accumulation, the same as `applied` unless the
+            update check rejected the update).
         loss_scale: The scale this call's gradients were computed with; a tuple of them for a
             tuple of scalers.
         grad_norm: With `train_step(..., grad_norm=True)`, the global L2 norm of the unscaled
@@ -93,11 +98,31 @@ def _at_min_scale(scaler: LossScale) -> torch.Tensor | bool:
 
 
 def _stalled(scaler: ScalerTree, finite_per_loss: Any) -> torch.Tensor:
-    """Whether a loss overflowed with its scale at the minimum (computed for every call, used on skips)."""
+    """Whether a loss overflowed with its scale at the minimum (computed for every call, used on skips).
+
+    A scale out of range fails the comparison (NaN) or passes it (0, negative): `bad_scale` names such
+    steps apart.
+    """
     per_loss = pytree.tree_leaves(
         pytree.tree_map(lambda s, finite: ~finite & _at_min_scale(s), scaler, finite_per_loss, is_leaf=_is_scaler)
     )
     return per_loss[0] if len(per_loss) == 1 else torch.stack(per_loss).any()
+
+
+def _with_scales_in_range(scaler: ScalerTree, gradients: Gradients) -> tuple[Gradients, torch.Tensor]:
+    """`gradients` with each loss's flag False where its scale is out of range, and whether any was.
+
+    Such a scale (NaN, inf, 0, negative: a crafted or corrupted state) made gradients that mean
+    nothing, even where finite (a negative scale), so the step is skipped and the adjust resets it.
+    """
+    in_range = pytree.tree_map(scale_in_range, scaler, is_leaf=_is_scaler)
+    finite_per_loss = pytree.tree_map(torch.logical_and, gradients.finite_per_loss, in_range)
+    flags = pytree.tree_leaves(in_range)
+    # Chained with &, not stacked: a NoOpLossScale's flag is a CPU tensor beside accelerator ones.
+    all_in_range = functools.reduce(operator.and_, flags)
+    return gradients._replace(
+        grads_finite=gradients.grads_finite & all_in_range, finite_per_loss=finite_per_loss
+    ), ~all_in_range
 
 
 def _loss_scale(scaler: ScalerTree, device: torch.device) -> Any:
@@ -133,46 +158,33 @@ def train_step(
     donate: bool = False,
     reduce_grads: Callable[[Gradients], Gradients] | None = None,
     grad_norm: bool = False,
+    check_update: bool = False,
 ) -> tuple[TrainState, StepInfo]:
     """One mixed-precision optimizer step; skipped (state kept bit for bit) when gradients overflow.
 
-    On a non-finite step the returned params and optimizer state equal the inputs bit for bit and
-    only the scaler moves (it backs off). Without `donate`, inputs are never mutated.
-    `state.counts` counts applied and skipped steps on device, and the optimizer's own step count
-    (hence its learning-rate schedule) advances on applied steps only.
+    Runs `loss_fn` in the policy's compute dtype, differentiates the scaled loss, unscales the
+    gradients and checks them for finiteness after unscaling. On a finite step the optimizer's
+    update is applied; on a non-finite one the params and optimizer state come back bit for bit and
+    only the scaler moves (it backs off). The choice is a `torch.where`, never a host sync, so the
+    step compiles whole with `torch.compile(fullgraph=True)` and maps under `torch.func.vmap`.
+    `state.counts` counts applied and skipped steps on device, and the optimizer's step count
+    (hence its schedule) advances on applied steps only.
 
-    Several losses: with a tuple of scalers in `state.scaler`, `loss_fn` returns a tuple of as many
-    losses; each loss is scaled, unscaled and checked on its own, its scaler adjusts by its own
-    overflow, and the update (of the summed gradients) is skipped when any loss overflowed.
+    With a tuple of scalers, `loss_fn` returns as many losses, each scaled and checked on its own
+    ([Several losses](../how-to/several-losses.md)). With `TrainState.create(...,
+    accumulation_steps=k)` each call takes one micro-batch and the k-th call updates
+    ([Gradient accumulation](../how-to/accumulation.md)). With `donate=True` the caller hands over
+    `state` and must not read it again: the step may write the new values into its buffers
+    ([Performance and memory tuning](../how-to/performance-tuning.md)). Do not donate under
+    `torch.func` transforms, and list tied weights once.
 
-    Gradient accumulation (`TrainState.create(..., accumulation_steps=k)`): each call takes one
-    micro-batch and adds its unscaled gradients to float32 sums; the k-th call updates with their
-    mean. If any micro-batch of the window was non-finite, or their sum overflows, that update is
-    skipped whole. The scale stays fixed through a window and adjusts once at its end, backing off
-    once for a bad window. Every call computes the optimizer's update and keeps it only at a
-    window's end (branch-free).
-
-    Donation, as `jax.jit`'s `donate_argnums`: with `donate=True` the caller hands over `state` and
-    must not read it after the call; the loss and `aux` it returns keep their values (eager, one
-    that shares the state's memory is copied first; compiled, every one is). Under
-    `torch.compile` the step then writes the new values into its buffers instead of allocating new
-    ones (the returned state lives in the same buffers), which saves the allocation, the page faults
-    of fresh memory on CPU, and peak memory; with the state's tensors marked static
-    (`torch._dynamo.mark_static_address`) the step replays as CUDA graphs under
-    `mode="reduce-overhead"`. Params made with `v.detach()` share their module's storage, so
-    donating them updates the module too. Eager, the step writes the new params and optimizer state
-    into the donated ones (the select that keeps a skipped step's values writes in place), so they
-    need no fresh memory; the scaler, the counts and the accumulator come back new, as does a tensor
-    whose elements share memory (an expanded one), and nothing is written before the step has
-    computed everything it returns. The values are those of the pure step: bit for bit eager, and
-    compiled in float32 compute, or in 16-bit compute when Inductor rounds intermediates as eager
-    does (`options={"emulate_precision_casts": True}`); otherwise Inductor's fusions skip 16-bit
-    roundings differently in the two graphs. Do not donate under `torch.func` transforms (`grad`,
-    `vmap`), which need the inputs intact (eager, a donated step there, or one that autograd
-    records, writes nothing in place). Every donated tensor must own its memory: one tensor listed
-    twice raises, but two tensors that view one storage (tied weights taken as two `state_dict()`
-    entries) cannot be told apart without reading addresses, which Dynamo does not trace; list tied
-    weights once.
+    A loss scale out of range (NaN, inf, 0, negative: a crafted or corrupted state) skips the step,
+    counts as stalled (`counts.bad_scale`) and is put back in range by the scaler's `adjust`. With
+    `check_update=True` the update is checked too: a step whose gradients are finite but whose new
+    params or optimizer state are not (a NaN in Adam's moments, an update that overflows a 16-bit
+    param) is skipped the same way, except that the scale does not back off (the gradients were
+    fine, so the scaler counts a finite step); it counts as skipped and as stalled
+    (`counts.bad_update`), since backing off cannot help.
 
     Args:
         loss_fn: `loss_fn(params, *args) -> loss`, or `-> (loss, aux)` with `has_aux`; loss 0-dim,
@@ -187,26 +199,34 @@ def train_step(
         policy: The precision policy.
         optimizer: A pure optimizer, e.g. `fmp.optim.adamw(...)`.
         has_aux: Whether `loss_fn` returns `(loss, aux)`.
-        donate: Whether the step may overwrite the tensors of `state` (see above).
+        donate: Whether the step may overwrite the tensors of `state` (as `jax.jit`'s `donate_argnums`).
         reduce_grads: Applied to each call's `Gradients` before they are accumulated or used, e.g.
             to average them across data-parallel ranks (`fmp.distributed`); it must return
             `Gradients` of the same structure, and flags that every rank agrees on.
         grad_norm: Whether to report the gradients' global norm in `info.grad_norm`. Compiled
             for a CPU, Inductor takes it in the loop that checks the gradients; eager, it reads
             them once more.
+        check_update: Whether to skip a step whose new params or optimizer state are not finite:
+            one `all_finite` over the new tree, ANDed with the gradients' flag, no host sync.
+            Opt-in: the select that keeps or replaces the state then waits for a reduction over
+            the whole update, so a compiled step holds the update in a temporary (with `donate`,
+            one more copy of the params and optimizer state) and reads it once more;
+            benchmarks/RESULTS.md has its cost. Without it such an update is applied.
 
     Returns:
         `(new_state, info)`; `info.applied` says whether the update was applied.
 
     Raises:
         TypeError: If `state` is not a TrainState (or its counts not StepCounts of 0-dim int64
-            tensors), `optimizer` not an Optimizer, or `donate` or `grad_norm` not a bool.
+            tensors), `optimizer` not an Optimizer, or `donate`, `grad_norm` or `check_update`
+            not a bool.
         ValueError: If `donate` and the state lists one tensor twice (under torch.compile Dynamo
             reports it as `torch._dynamo.exc.Unsupported` carrying this message), or the scaler
             or the counts are on another device than the params (their first accelerator).
     """
     check_bool("donate", donate)
     check_bool("grad_norm", grad_norm)
+    check_bool("check_update", check_update)
     if reduce_grads is not None and not callable(reduce_grads):
         raise TypeError(f"reduce_grads must be a function of fmp.Gradients, got {type(reduce_grads).__name__}")
     if not isinstance(state, TrainState):
@@ -237,6 +257,7 @@ def train_step(
         check_finite_flag(gradients.grads_finite, "reduce_grads' grads_finite")
         for index, flag in enumerate(pytree.tree_leaves(gradients.finite_per_loss)):
             check_finite_flag(flag, f"reduce_grads' finite_per_loss[{index}]")
+    gradients, bad_scale = _with_scales_in_range(scaler, gradients)
     grads, grads_finite, loss, aux, finite_per_loss = gradients
     accumulator = state.accumulator
     if isinstance(accumulator, GradientAccumulator):
@@ -252,6 +273,11 @@ def train_step(
         raise TypeError(f"state.accumulator must be () or a GradientAccumulator, got {type(accumulator).__name__}")
     norm: torch.Tensor | tuple[()] = global_norm(grads).to(grads_finite.device) if grad_norm else ()
     updated = optimizer.update(grads, opt_state, params)
+    bad_update = torch.zeros_like(applied)
+    if check_update:
+        update_finite = all_finite(updated)
+        bad_update = applied & ~update_finite
+        applied = applied & update_finite
     writes_eagerly = donate and writes_in_place(updated, (params, opt_state))
     if writes_eagerly or (donate and torch.compiler.is_compiling()):
         # The loss and aux the step returns keep their values when the state's buffers are written.
@@ -260,7 +286,7 @@ def train_step(
         new_params, new_opt_state = select_into(applied, updated, (params, opt_state))
     else:
         new_params, new_opt_state = select_tree(applied, updated, (params, opt_state))
-    counts = state.counts.advance(stepped, applied, _stalled(scaler, step_per_loss))
+    counts = state.counts.advance(stepped, applied, _stalled(scaler, step_per_loss), bad_scale, bad_update)
     # Model state moves on a skipped step too, as a module's buffers do under torch.amp.
     new_state = TrainState(new_params, new_opt_state, new_scaler, counts, accumulator, new_model_state)
     loss_scale = _loss_scale(scaler, grads_finite.device)
@@ -279,6 +305,7 @@ def mixed_precision_step(
     policy: Policy,
     optimizer: Optimizer,
     donate: bool = False,
+    check_update: bool = False,
 ) -> tuple[Params, LossScale]:
     """One mixed-precision step with a stateless optimizer: `(params, scaler) -> (params, scaler)`.
 
@@ -294,6 +321,7 @@ def mixed_precision_step(
         policy: The precision policy.
         optimizer: A stateless pure optimizer.
         donate: Whether the step may overwrite `params` and `scaler` (see `train_step`).
+        check_update: Whether to skip a step whose new params are not finite (see `train_step`).
 
     Returns:
         `(new_params, new_scaler)`.
@@ -310,7 +338,9 @@ def mixed_precision_step(
             "(momentum, moments): use fmp.train_step with fmp.TrainState.create(params, optimizer, scaler)"
         )
     state = TrainState(params, opt_state, scaler, StepCounts.zeros(tree_accelerator_device(params)), ())
-    new_state, _ = train_step(loss_fn, state, *args, policy=policy, optimizer=optimizer, donate=donate)
+    new_state, _ = train_step(
+        loss_fn, state, *args, policy=policy, optimizer=optimizer, donate=donate, check_update=check_update
+    )
     return new_state.params, cast(LossScale, new_state.scaler)
 
 
@@ -319,11 +349,13 @@ class LossScaleStalledError(FloatingPointError):
 
 
 def raise_if_stalled(state: TrainState, patience: int) -> None:
-    """Fails fast when training has stalled: the last `patience` optimizer steps all overflowed at the minimum scale.
+    """Fails fast when training has stalled: the last `patience` optimizer steps were all skipped for good.
 
     Opt-in, as DeepSpeed's error at `min_loss_scale`: once the scale cannot back off further,
     skipped steps mean gradients that are non-finite at any scale (NaN or inf in the data, the
-    labels or the model), and a run that goes on skips every step in silence. Call this where you
+    labels or the model), and a run that goes on skips every step in silence. Steps that ran with
+    a loss scale out of range (`counts.bad_scale`) or whose update was non-finite from finite
+    gradients (`counts.bad_update`) count too, and the message says which. Call this where you
     log; the step itself never raises on values, which would need a host sync.
 
     Note: syncs with the host, to read `state.counts.stalled`.
@@ -333,7 +365,8 @@ def raise_if_stalled(state: TrainState, patience: int) -> None:
         patience: How many consecutive stalled steps are tolerated, >= 1.
 
     Raises:
-        LossScaleStalledError: If `state.counts.stalled >= patience`, with the scale in the message.
+        LossScaleStalledError: If `state.counts.stalled >= patience`, with the scale and the causes
+            in the message.
         TypeError, ValueError: If `state` is not a TrainState or `patience` is not a positive int.
     """
     if not isinstance(state, TrainState):
@@ -345,12 +378,29 @@ def raise_if_stalled(state: TrainState, patience: int) -> None:
         return
     where = f" (ensemble members {stalled.ge(patience).nonzero().flatten().tolist()})" if stalled.dim() else ""
     scales = pytree.tree_map(lambda t: t.tolist(), _loss_scale(state.scaler, stalled.device))
-    dynamic = any(isinstance(s, DynamicLossScale) for s in pytree.tree_leaves(state.scaler, is_leaf=_is_scaler))
-    remedy = "lower min_scale" if dynamic else "use a lower fixed scale or a DynamicLossScale"
-    raise LossScaleStalledError(
-        f"the last {worst} optimizer steps{where} were all skipped: their gradients overflowed with the loss scale "
-        f"at its minimum ({scales}), so backing off cannot help. Look for inf or NaN in the inputs, the labels or "
-        f"the model (a log of 0, a division by 0, an exploding activation), or {remedy}. "
-        f"fmp.debug.locate_nonfinite(loss_fn, state.params, *batch, policy=policy, scaler=state.scaler) names "
-        f"the first op and module to make inf or NaN"
-    )
+    bad_scale, bad_update = int(state.counts.bad_scale.max()), int(state.counts.bad_update.max())
+    causes = []
+    if bad_scale:
+        causes.append(
+            f"{bad_scale} of them ran with a loss scale that was itself out of range (NaN, inf, 0, negative or "
+            f"outside [min_scale, max_scale]), which the step put back in range (now {scales}): the scaler state "
+            f"was corrupted or built with the raw constructor; build it with DynamicLossScale.create(...) "
+            f"(TrainState.create checks it) or load a sound checkpoint"
+        )
+    if bad_update:
+        causes.append(
+            f"{bad_update} of them had finite gradients but a non-finite update (new params or optimizer state): "
+            f"the optimizer state or the params hold inf or NaN (check fmp.all_finite(state.opt_state)), or the "
+            f"update overflows the param dtype; restore a checkpoint, or lower the lr"
+        )
+    if worst > bad_scale + bad_update or not causes:
+        dynamic = any(isinstance(s, DynamicLossScale) for s in pytree.tree_leaves(state.scaler, is_leaf=_is_scaler))
+        remedy = "lower min_scale" if dynamic else "use a lower fixed scale or a DynamicLossScale"
+        causes.insert(
+            0,
+            f"their gradients overflowed with the loss scale at its minimum ({scales}), so backing off cannot help. "
+            f"Look for inf or NaN in the inputs, the labels or the model (a log of 0, a division by 0, an exploding "
+            f"activation), or {remedy}. fmp.debug.locate_nonfinite(loss_fn, state.params, *batch, policy=policy, "
+            f"scaler=state.scaler) names the first op and module to make inf or NaN",
+        )
+    raise LossScaleStalledError(f"the last {worst} optimizer steps{where} were all skipped: {'; '.join(causes)}")

@@ -268,7 +268,8 @@ def test_compiled_adjust_does_not_guard_on_dataclass_internals() -> None:
 def test_static_and_noop_states() -> None:
     static = fmp.StaticLossScale.create(128.0)
     assert pytree.tree_unflatten(*pytree.tree_flatten(static)).loss_scale is static.loss_scale
-    assert static.adjust(torch.tensor(False)) is static
+    adjusted = static.adjust(torch.tensor(False))  # a scale in range stays, bit for bit
+    assert type(adjusted) is fmp.StaticLossScale and torch.equal(bits(adjusted.loss_scale), bits(static.loss_scale))
     noop = fmp.NoOpLossScale.create()  # as the other states are made; NoOpLossScale() is the same
     assert type(noop) is fmp.NoOpLossScale and pytree.tree_leaves(noop) == []
     assert optree.tree_leaves(noop, namespace=fmp.OPTREE_NAMESPACE) == []

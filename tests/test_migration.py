@@ -204,7 +204,9 @@ def test_treespecs_of_the_state_serialize_and_torch_export_saves_a_program_takin
     class Adjust(torch.nn.Module):
         def forward(self, state: fmp.TrainState) -> tuple[fmp.LossScale, fmp.StepCounts]:
             finite = fmp.all_finite(state.params)
-            return state.scaler[0].adjust(finite), state.counts.advance(finite, finite, ~finite)
+            return state.scaler[0].adjust(finite), state.counts.advance(
+                finite, finite, ~finite, torch.zeros_like(finite), torch.zeros_like(finite)
+            )
 
     buffer = io.BytesIO()
     torch.export.save(torch.export.export(Adjust(), (state,)), buffer)

@@ -239,7 +239,7 @@ def test_wrong_argument_types_are_named() -> None:
         fmp.with_policy(3, policy)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"state.counts must be an fmp\.StepCounts \(TrainState.create makes one\)"):
         fmp.train_step(mlp_loss, state._replace(counts=(0, 0, 0, 0)), x, y, policy=policy, optimizer=optimizer)
-    floats = fmp.StepCounts(*(torch.zeros(()) for _ in range(4)))
+    floats = fmp.StepCounts(*(torch.zeros(()) for _ in fmp.StepCounts._fields))
     with pytest.raises(TypeError, match=r"state.counts.applied must be a 0-dim int64 tensor, got torch.float32\[\]"):
         fmp.train_step(mlp_loss, state._replace(counts=floats), x, y, policy=policy, optimizer=optimizer)
 

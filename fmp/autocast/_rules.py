@@ -99,6 +99,10 @@ CUDA: RuleSet = _rules(
     binary_cross_entropy=Cast.FLOAT32_UNLESS_FLOAT16,
     **_COMPOSITES_CUDA,
 )
+"""torch.autocast's CUDA rules, op name -> `Cast`: `rules="cuda"`, the default on every device.
+
+Listed op by op in the [autocast op reference](../reference/autocast-ops.md).
+"""
 
 # torch's CPU lists (bfloat16 and float16 share them), including the ops registered for the
 # AutocastCPU dispatch key that the docs leave out (`_addmm_activation`, `smooth_l1_loss`).
@@ -127,6 +131,10 @@ CPU: RuleSet = _rules(
     promote="cat stack index_copy",
     **_COMPOSITES_CPU,
 )
+"""torch.autocast's CPU rules, op name -> `Cast`: `rules="cpu"`, bit for bit `torch.autocast("cpu")`.
+
+Listed op by op in the [autocast op reference](../reference/autocast-ops.md).
+"""
 
 RULE_SETS: Mapping[str, RuleSet] = MappingProxyType({"cuda": CUDA, "cpu": CPU})
 """The named rule sets `fmp.autocast.autocast(..., rules=name)` accepts."""

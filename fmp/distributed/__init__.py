@@ -20,9 +20,12 @@ float16 buffers travel multiplied by the loss scale, as the scaled gradients of 
 do, so small gradients do not flush to zero and a sum that overflows backs the scale off.
 
 Every rank must pass the same policy, optimizer and state structure, as with DDP: the buckets'
-sizes and dtypes follow from them, and the step does not check that ranks agree, which would
-need a host sync every step. `check_replicas` compares states across ranks where a run can
-afford the sync.
+sizes and dtypes follow from them. `broadcast_tree`, and the step's first eager call for each
+state layout, compare the ranks' paths, shapes and dtypes once (a host sync) and raise on every
+rank with the first leaf that differs, where a collective would sum unrelated gradients (the
+same sizes) or abort in the backend (other sizes); later steps only look the layout up on the
+host. A compiled step skips the comparison: call `broadcast_tree` first. `check_replicas`
+compares the values where a run can afford the sync.
 
 FSDP2 (`torch.distributed.fsdp.fully_shard`) shards the parameters and reduce-scatters the
 gradients itself inside `backward()`, in its `reduce_dtype` and on the scaled gradients, so it

@@ -30,6 +30,7 @@ from fmp._tree import tree_device
 from fmp.distributed._reduce import Collectives
 from fmp.distributed._reduce import agree_finite
 from fmp.distributed._reduce import all_reduce_gradients
+from fmp.distributed._replicas import check_step_layout
 
 __all__ = ["train_step", "unscale_and_adjust"]
 
@@ -60,6 +61,7 @@ def train_step(
     bucket_cap_mb: float = 25.0,
     collectives: Collectives = "functional",
     grad_norm: bool = False,
+    check_update: bool = False,
 ) -> tuple[TrainState, StepInfo]:
     """`fmp.train_step` across data-parallel ranks: gradients averaged, one skip decision for all.
 
@@ -72,8 +74,13 @@ def train_step(
     traced into the graph. With gradient accumulation, each micro-batch is reduced.
 
     Note:
-        No host sync: the all-reduce's result stays on the device. A rank that dies or stalls
-        makes the others fail after the process group's timeout (`init_process_group(timeout=...)`).
+        The first call for a state layout on a group syncs once: the ranks compare their states'
+        paths, shapes and dtypes, policies and bucket sizes, and all raise a ValueError naming the
+        first difference (see `check_replicas` for values). Later calls sync nothing: the
+        all-reduce's result stays on the device. Under `torch.compile` the comparison is skipped,
+        so a compiled step relies on `broadcast_tree` (which compares too) or a first eager call.
+        A rank that dies or stalls makes the others fail after the process group's timeout
+        (`init_process_group(timeout=...)`).
 
     Args:
         loss_fn: As `fmp.train_step`.
@@ -87,17 +94,20 @@ def train_step(
         bucket_cap_mb: The most MiB one all-reduce carries (see `all_reduce_gradients`).
         collectives: "functional" (compilable) or "eager" (see `all_reduce_gradients`).
         grad_norm: As `fmp.train_step`: the norm of the averaged gradients, the same on every rank.
+        check_update: As `fmp.train_step`: every rank's update is the same, so is its verdict.
 
     Returns:
         `(new_state, info)`, as `fmp.train_step`.
 
     Raises:
         RuntimeError: If no process group is initialized.
+        ValueError: On every rank, if the ranks' state layouts, policies or bucket sizes differ.
         CollectiveError: Eager, if the all-reduce fails; and as `fmp.train_step` and `all_reduce_gradients`.
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"state must be an fmp.TrainState (TrainState.create(...)), got {type(state).__name__}")
     check_scalers(state.scaler)  # before the wire scale reads it
+    check_step_layout(state, group, policy, bucket_cap_mb)  # once per layout: a C++ abort or a silent mix else
     reduce = functools.partial(
         all_reduce_gradients,
         policy=policy,
@@ -116,6 +126,7 @@ def train_step(
         donate=donate,
         reduce_grads=reduce,
         grad_norm=grad_norm,
+        check_update=check_update,
     )
 
 

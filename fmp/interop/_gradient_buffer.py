@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 
 from fmp._checks import check_bool
 from fmp._loss_scale import LossScale
+from fmp._loss_scale import check_scaler
 from fmp._scaler import compiled_unscale_and_adjust
 from fmp._scaler import unscale_and_adjust
 from fmp._tree import _ROW_LENGTH
@@ -117,25 +119,64 @@ def _check_skips_on_device(optimizer: Any) -> None:
 
 
 class _Accumulation:
-    """Whether the gradients are new since the last unscale: a backward accumulated into them, or `zero_()` ran.
+    """What the gradients went through since the last unscale or `zero_()`, kept by autograd hooks on the host.
 
-    A post-accumulate-grad hook on each parameter sets it, which only autograd's accumulation
-    fires: an in-place edit of the gradients (`clip_grad_norm_`) leaves it as it was. The hooks
-    hold it weakly and are taken off the parameters when it dies with the last handle sharing
-    it (a buffer attached again, after moving the model, say, leaves no hooks of the old one).
+    `since_unscale`: a backward accumulated into them, or `zero_()` ran. A post-accumulate-grad
+    hook on each parameter sets it, which only autograd's accumulation fires: an in-place edit of
+    the gradients (`clip_grad_norm_`) leaves it as it was.
+
+    `unscaled_param`: the first parameter to receive a gradient from a backward that did not
+    start at a loss `GradientBuffer.scale` returned. A pre-hook on each such loss's autograd node
+    enters its backward (its graph task) in `scaled_backwards` when it starts, and a callback
+    queued on the engine takes it out when it ends; an accumulation while none is under way came
+    from another backward. A backward nested in a scaled one (a reentrant checkpoint's) counts as
+    scaled, as its gradients are. Python flags only: no tensor is read.
+
+    The hooks hold this object weakly and are taken off the parameters when it dies with the last
+    handle sharing it (a buffer attached again, after moving the model, say, leaves no hooks of
+    the old one).
     """
 
     def __init__(self, params: tuple[torch.Tensor, ...]) -> None:
         self.since_unscale = True  # gradients copied in at attach may be unscaled once
+        self.scales_losses = False  # set by GradientBuffer.scale: from then on, unscaled backwards are refused
+        self.scaled_backwards: set[int] = set()
+        self.unscaled_param: int | None = None
         flag = weakref.ref(self)
 
-        def mark(param: torch.Tensor) -> None:
-            alive = flag()
-            if alive is not None:
+        def marker(index: int) -> Callable[[torch.Tensor], None]:
+            def mark(param: torch.Tensor) -> None:
+                alive = flag()
+                if alive is None:
+                    return
                 alive.since_unscale = True
+                if not alive.scaled_backwards and alive.unscaled_param is None:
+                    alive.unscaled_param = index
 
-        hooks = [param.register_post_accumulate_grad_hook(mark) for param in params]  # type: ignore[no-untyped-call]
+            return mark
+
+        hooks = [param.register_post_accumulate_grad_hook(marker(i)) for i, param in enumerate(params)]  # type: ignore[no-untyped-call]
         weakref.finalize(self, _remove_hooks, hooks)
+
+    def watch(self, node: torch.autograd.graph.Node) -> None:
+        """Counts every backward that starts at `node` (a scaled loss's) as scaled while it runs."""
+        flag = weakref.ref(self)
+
+        def starts(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+            alive = flag()
+            if alive is None:
+                return
+            task = torch._C._current_graph_task_id()
+            alive.scaled_backwards.add(task)
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(lambda: alive.scaled_backwards.discard(task))
+
+        node.register_prehook(starts)
+
+    def restart(self) -> None:
+        """Forgets the accumulations so far (after `zero_()` or an unscale), and any backward that raised midway."""
+        self.unscaled_param = None
+        self.scaled_backwards.clear()  # no backward runs now: a task left here raised before its callback
 
 
 def _remove_hooks(hooks: list[Any]) -> None:
@@ -158,7 +199,7 @@ class GradientBuffer:
         grads = fmp.interop.GradientBuffer.attach(model.parameters())
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         for x, y in data:
-            scaler.scale(loss_fn(model(x), y)).backward()
+            grads.scale(loss_fn(model(x), y), scaler).backward()  # then loss.backward() is refused
             grads_finite, scaler = grads.unscale_(scaler)
             grads.step(optimizer, grads_finite)  # skipped on the device when not finite
             grads.zero_()
@@ -285,11 +326,46 @@ class GradientBuffer:
             )
         return self._buffers
 
+    def scale(self, loss: torch.Tensor, scaler: LossScale) -> torch.Tensor:
+        """`scaler.scale(loss)`, whose backward the buffer recognizes: it then refuses gradients of any other.
+
+        From the first call on, `unscale_` and `unscale_and_clip_` raise if a backward that did not
+        start at a loss this method returned (`loss.backward()`, the classic slip) accumulated into
+        the gradients since the last `zero_()` or unscale: its gradients are not scaled, and
+        unscaling them would shrink the step by the loss scale, silently. A buffer never asked to
+        scale cannot tell (`scaler.scale` is pure) and accepts every backward.
+
+        Args:
+            loss: The loss (or any tensor to call `backward` on), with autograd history.
+            scaler: The loss-scale state, the one `unscale_` will get.
+
+        Returns:
+            The scaled loss, as `scaler.scale(loss)`: call `.backward()` on it.
+
+        Raises:
+            TypeError: If `loss` is not a tensor, or `scaler` not an fmp loss-scale state.
+            ValueError: If `loss` has no autograd history (made under `torch.no_grad()`, or from
+                tensors that do not require grad), so that its backward would write no gradient.
+        """
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"loss must be a tensor, got {type(loss).__name__}")
+        check_scaler(scaler)
+        scaled = scaler.scale(loss)
+        if scaled.grad_fn is None:
+            raise ValueError(
+                "loss has no autograd history (computed under torch.no_grad(), or from tensors that do not "
+                "require grad), so its backward would write no gradient; compute it with grad enabled"
+            )
+        self._accumulation.watch(scaled.grad_fn)
+        self._accumulation.scales_losses = True
+        return scaled
+
     def zero_(self) -> None:
         """Zeros every gradient, one fill per buffer, and re-attaches any `.grad` set to None or replaced."""
         for buffer in self._buffers:
             buffer.zero_()
         self._accumulation.since_unscale = True  # gradients written by hand after this unscale once
+        self._accumulation.restart()
         for param, view in zip(self._params, self._views, strict=True):
             if param.grad is not view:
                 param.grad = view
@@ -315,7 +391,8 @@ class GradientBuffer:
                 nor `zero_()` has renewed the gradients since the last `unscale_` or
                 `unscale_and_clip_` (they would be unscaled twice; an in-place edit such as
                 `clip_grad_norm_` renews nothing, and gradients written by hand need a `zero_()`
-                first).
+                first); or, once `scale` has scaled a loss, if a backward that did not start at a
+                loss `scale` returned accumulated into them since then (their values unscaled).
             TypeError, ValueError: As `fmp.unscale_and_adjust`, for a wrong scaler or one on
                 another device than the gradients.
         """
@@ -362,6 +439,16 @@ class GradientBuffer:
                 "as neither), so they would be unscaled twice; zero_() and run a backward (or write new "
                 "gradients) first"
             )
+        accumulation = self._accumulation
+        if accumulation.scales_losses and accumulation.unscaled_param is not None:
+            index = accumulation.unscaled_param
+            where = _describe(index, self._params[index], self._names[index])
+            raise RuntimeError(
+                f"{where} received a gradient from a backward that did not start at a loss this buffer scaled: "
+                "loss.backward() where grads.scale(loss, scaler).backward() belongs. Unscaling would divide that "
+                "gradient by the loss scale and make the step that many times too small; zero_() the buffer and "
+                "run the backward of grads.scale(loss, scaler)"
+            )
         return buffers
 
     def _write_back(self, buffers: tuple[torch.Tensor, ...], results: tuple[torch.Tensor, ...]) -> None:
@@ -371,6 +458,7 @@ class GradientBuffer:
             if values.data_ptr() != buffer.data_ptr():
                 buffer.copy_(values)
         self._accumulation.since_unscale = False
+        self._accumulation.restart()
 
     def _check_owns(self, optimizer: torch.optim.Optimizer) -> None:
         """Raises if `optimizer` steps a parameter whose gradient no GradientBuffer holds (no `unscale_` saw it).

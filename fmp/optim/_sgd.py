@@ -52,6 +52,28 @@ def _descend(param: torch.Tensor, step: torch.Tensor, lr: float | torch.Tensor) 
     return torch.addcmul(param.to(opmath), step.to(opmath), lr.to(opmath), value=-1.0).to(param.dtype)
 
 
+def _check_sparse(name: str, grads: Any, grad_leaves: list[Any], weight_decay: float) -> None:
+    """Raises naming the first sparse gradient if `weight_decay` would add the dense param to it.
+
+    torch.optim.SGD refuses that too (`add(sparse, dense) is not supported`); fmp says which param.
+    """
+    if not weight_decay:
+        return
+    for index, grad in enumerate(grad_leaves):
+        if isinstance(grad, torch.Tensor) and grad.layout != torch.strided:
+            path = pytree.keystr(pytree.tree_flatten_with_path(grads)[0][index][0])
+            raise ValueError(
+                f"{name}: grads{path} is {grad.layout}, and weight_decay={weight_decay} would add the dense param "
+                f"to it, which torch.optim.SGD refuses too; pass weight_decay=0.0 for sparse gradients (or "
+                f"sparse=False to nn.Embedding)"
+            )
+
+
+def _dense(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`leaves` with sparse gradients made dense, for momentum buffers and scheduled lrs (dense arithmetic)."""
+    return [g.to_dense() if g.layout != torch.strided else g for g in leaves]
+
+
 def sgd(
     lr: LearningRate,
     momentum: float = 0.0,
@@ -68,6 +90,12 @@ def sgd(
     counting the applied steps (its `momentum` is `()` without momentum); such an optimizer needs
     `fmp.train_step`.
 
+    Sparse gradients (`nn.Embedding(sparse=True)`'s COO ones) are taken as torch.optim.SGD takes
+    them: with a float `lr` and no momentum the update adds them to the params as torch does, bit
+    for bit; with momentum or a schedule they are made dense first (the momentum buffers are dense,
+    where torch's are sparse), so results agree with torch's up to the rounding of duplicate
+    indices. Like torch, `weight_decay` refuses them.
+
     Args:
         lr: Learning rate, a float >= 0, or a schedule `lr(count) -> 0-dim floating tensor` (see
             `fmp.optim.schedule`), `count` being the 0-dim int32 tensor of applied steps before
@@ -81,10 +109,11 @@ def sgd(
         The optimizer.
 
     Raises:
-        TypeError, ValueError: Naming the argument, if one is of the wrong type or out of range.
-            A schedule must return a 0-dim floating tensor (checked when `update` runs, at trace
-            time under torch.compile) and a finite lr >= 0 at counts 0 and 1 (checked by `init`,
-            which syncs with the host to read them).
+        TypeError, ValueError: Naming the argument, if one is of the wrong type or out of range, or
+            (from `update`) the sparse gradient `weight_decay` cannot take. A schedule must
+            return a 0-dim floating tensor (checked when `update` runs, at trace time under
+            torch.compile) and a finite lr >= 0 at counts 0 and 1 (checked by `init`, which syncs
+            with the host to read them).
     """
     lr = check_lr(lr)
     momentum = check_real("momentum", momentum, 0.0, 1.0, high_inclusive=True)
@@ -111,6 +140,7 @@ def sgd(
                     f"was it created by another optimizer's init?"
                 )
             spec, param_leaves, (grad_leaves,), _ = leaves_like_params("sgd", params, {"grads": grads})
+            _check_sparse("sgd", grads, grad_leaves, weight_decay)
             new_params = [
                 torch.add(p, direction(g, p), alpha=-fixed_lr) for g, p in zip(grad_leaves, param_leaves, strict=True)
             ]
@@ -133,10 +163,14 @@ def sgd(
             if pytree.tree_leaves(state.momentum):
                 raise TypeError(f"{name} keeps no momentum buffers: was its state created by another optimizer's init?")
             spec, param_leaves, (grad_leaves,), _ = leaves_like_params(name, params, {"grads": grads})
+            _check_sparse(name, grads, grad_leaves, weight_decay)
+            grad_leaves = _dense(grad_leaves)
             new_params = [_descend(p, direction(g, p), lr_now) for g, p in zip(grad_leaves, param_leaves, strict=True)]
             return pytree.tree_unflatten(new_params, spec), SgdState(state.step + 1, state.momentum)
         trees = {"grads": grads, "opt_state.momentum": state.momentum}
         spec, param_leaves, (grad_leaves, buffer_leaves), specs = leaves_like_params(name, params, trees)
+        _check_sparse(name, grads, grad_leaves, weight_decay)
+        grad_leaves = _dense(grad_leaves)
         # torch seeds the buffer with the first step's direction, undamped.
         first_step = state.step == 0
 

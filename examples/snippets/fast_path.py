@@ -1,0 +1,35 @@
+import functools
+
+import torch
+from torch import nn
+
+import fmp
+
+model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+
+
+def loss_fn(params, x, y):
+    return nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)), y)
+
+
+policy = fmp.get_policy("params=float32,compute=bfloat16,output=float32")
+optimizer = fmp.optim.adamw(1e-3)
+params = {k: v.detach() for k, v in model.named_parameters()}
+state = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create())
+
+# --8<-- [start:donate]
+step = torch.compile(
+    functools.partial(fmp.train_step, loss_fn, policy=policy, optimizer=optimizer, donate=True), fullgraph=True
+)
+state, info = step(state, torch.randn(32, 64), torch.randn(32, 1))  # the old `state` is handed over
+# --8<-- [end:donate]
+# --8<-- [start:planned]
+# On a CPU: Inductor allocates the step's temporaries as one block, which glibc keeps between steps.
+planned = torch.compile(
+    functools.partial(fmp.train_step, loss_fn, policy=policy, optimizer=optimizer, donate=True),
+    fullgraph=True,
+    options={"memory_planning": True},
+)
+state, info = planned(state, torch.randn(32, 64), torch.randn(32, 1))
+# --8<-- [end:planned]
+print(int(state.opt_state.step), float(info.loss_scale))

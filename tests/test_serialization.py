@@ -1,0 +1,344 @@
+"""fmp.serialization: atomic checked save/load against a target, and sharded states resharded through DCP."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import _serialization_worker as worker
+import hypothesis
+import hypothesis.strategies as st
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from conftest import assert_trees_bitwise_equal
+from conftest import mlp_params
+
+import fmp
+from fmp.serialization import CheckpointError
+from fmp.serialization import load
+from fmp.serialization import load_sharded
+from fmp.serialization import save
+from fmp.serialization import save_sharded
+
+WORKER = Path(__file__).resolve().parent / "_serialization_worker.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+# Words an error about a damaged file must never come down to.
+BAD_WORDS = ("weights_only=False", "negative seek", "EOFError('')")
+
+
+def dynamic() -> fmp.DynamicLossScale:
+    """A dynamic scale away from its defaults: a moved scale, counters, other hyperparameters."""
+    int32 = torch.int32
+    return fmp.DynamicLossScale(
+        torch.tensor(2.0**9), torch.tensor(5, dtype=int32), torch.tensor(2, dtype=int32), 3.0, 0.25, 7, 1.0, 2.0**20, 2
+    )
+
+
+def make_state(optimizer: fmp.optim.Optimizer | None = None, scaler: Any = None, **kwargs: Any) -> fmp.TrainState:
+    return fmp.TrainState.create(
+        mlp_params(), optimizer or fmp.optim.adamw(1e-2), dynamic() if scaler is None else scaler, **kwargs
+    )
+
+
+def meta(tree: Any) -> Any:
+    return pytree.tree_map(lambda t: torch.empty_like(t, device="meta"), tree)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[fmp.TrainState, Path]:
+    path = tmp_path_factory.mktemp("saved") / "state.pt"
+    state = make_state()
+    save(state, path)
+    return state, path
+
+
+def refused(error: pytest.ExceptionInfo[BaseException], *fragments: str) -> None:
+    message = str(error.value)
+    for fragment in fragments:
+        assert fragment in message, message
+    assert not any(word in message for word in BAD_WORDS), message
+    assert error.value.__cause__ is None or not any(word in str(error.value.__cause__) for word in BAD_WORDS)
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        pytest.param(make_state(), id="adamw-dynamic"),
+        pytest.param(make_state(fmp.optim.sgd(0.1, momentum=0.9), fmp.StaticLossScale.create(8.0)), id="sgd-static"),
+        pytest.param(make_state(fmp.optim.sgd(0.1), fmp.NoOpLossScale()), id="sgd-noop"),
+        pytest.param(make_state(scaler=(dynamic(), fmp.StaticLossScale.create(3.0))), id="tuple-scalers"),
+        pytest.param(
+            make_state(accumulation_steps=2, model_state={"mean": torch.randn(8), "n": torch.tensor(3)}),
+            id="model-state-accumulator",
+        ),
+        pytest.param(
+            fmp.TrainState.create(fmp.cast_floating(mlp_params(), torch.bfloat16), fmp.optim.adamw(1e-2), dynamic()),
+            id="bfloat16-params",
+        ),
+        pytest.param((dynamic(), fmp.StaticLossScale.create(2.0)), id="scalers-alone"),
+    ],
+)
+def test_a_state_round_trips_bit_for_bit_and_plain_torch_load_reads_it(state: Any, tmp_path: Path) -> None:
+    path = tmp_path / "c.pt"
+    save(state, path)
+    assert_trees_bitwise_equal(load(path, state), state)
+    assert_trees_bitwise_equal(load(path, meta(state)), state)  # an abstract target: values on CPU
+    plain = torch.load(path, weights_only=True)
+    assert_trees_bitwise_equal(plain["state"], state)
+    assert plain["format"] == "fmp.serialization" and plain["version"] == 1 and len(plain["sha256"]) == 64
+    assert [entry[0] for entry in plain["leaves"]][:1] == [pytree.keystr(pytree.tree_flatten_with_path(state)[0][0][0])]
+    assert os.listdir(tmp_path) == ["c.pt"]  # no partial file left behind
+
+
+def test_a_load_leaves_the_target_alone_and_follows_its_devices(saved: tuple[fmp.TrainState, Path]) -> None:
+    state, path = saved
+    target = pytree.tree_map(torch.zeros_like, state)
+    loaded = load(path, target)
+    assert all(not bool(t.any()) for t in pytree.tree_leaves(target))
+    pairs = zip(pytree.tree_leaves(loaded), pytree.tree_leaves(target), strict=True)
+    assert all(a.data_ptr() != b.data_ptr() for a, b in pairs)
+    assert {t.device for t in pytree.tree_leaves(load(path, meta(state), device="cpu"))} == {torch.device("cpu")}
+
+
+@hypothesis.settings(max_examples=25)
+@hypothesis.given(cut=st.floats(0.0, 1.0, exclude_max=True))
+def test_a_truncated_file_is_named_truncated_or_corrupt(
+    saved: tuple[fmp.TrainState, Path], tmp_path_factory: pytest.TempPathFactory, cut: float
+) -> None:
+    state, path = saved
+    data = path.read_bytes()
+    cut_path = tmp_path_factory.mktemp("cut") / "c.pt"
+    cut_path.write_bytes(data[: int(cut * len(data))])
+    with pytest.raises(CheckpointError) as error:
+        load(cut_path, state)
+    refused(error, f"checkpoint {cut_path} is truncated or corrupt (", "load an earlier checkpoint")
+
+
+def test_garbage_and_flipped_bytes_are_named_corrupt(saved: tuple[fmp.TrainState, Path], tmp_path: Path) -> None:
+    state, path = saved
+    data = path.read_bytes()
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(os.urandom(len(data)))
+    # Bytes changed inside a tensor's record: the zip and the pickle stay sound, the checksum does not.
+    at = data.index(state.params["w1"].numpy().tobytes())
+    flipped = tmp_path / "flipped.pt"
+    flipped.write_bytes(data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :])
+    for bad in (garbage, flipped):
+        with pytest.raises(CheckpointError) as error:
+            load(bad, state)
+        refused(error, f"checkpoint {bad} is truncated or corrupt (")
+    with pytest.raises(FileNotFoundError):
+        load(tmp_path / "missing.pt", state)
+
+
+class Opaque:
+    pass
+
+
+def test_a_file_that_is_not_an_fmp_checkpoint_says_so(saved: tuple[fmp.TrainState, Path], tmp_path: Path) -> None:
+    state, path = saved
+    cases = {
+        "tensor.pt": (torch.zeros(3), "is not an fmp checkpoint (it holds Tensor)"),
+        "plain-state.pt": (state, "is not an fmp checkpoint (it holds TrainState)"),
+        "object.pt": ({"x": Opaque()}, "it holds a test_serialization.Opaque, which torch.load(weights_only=True)"),
+        "newer.pt": ({**torch.load(path, weights_only=True), "version": 99}, "format version 99"),
+    }
+    for name, (content, fragment) in cases.items():
+        torch.save(content, tmp_path / name)
+        with pytest.raises(CheckpointError) as error:
+            load(tmp_path / name, state)
+        refused(error, fragment, "fmp.serialization.save" if name != "newer.pt" else "upgrade fmp")
+
+
+@pytest.mark.parametrize(
+    ("target", "fragments"),
+    [
+        (
+            fmp.TrainState.create(mlp_params(width=6), fmp.optim.adamw(1e-2), dynamic()),
+            ["state.params['w1'] differs in shape: shape (8, 8), float32 in the checkpoint, shape (6, 6), float32"],
+        ),
+        (
+            fmp.TrainState.create(fmp.cast_floating(mlp_params(), torch.float64), fmp.optim.adamw(1e-2), dynamic()),
+            ["state.params['w1'] differs in dtype: shape (8, 8), float32 in the checkpoint, shape (8, 8), float64"],
+        ),
+        (
+            fmp.TrainState.create({**mlp_params(), "extra": torch.zeros(2)}, fmp.optim.adamw(1e-2), dynamic()),
+            ["the target holds [\"state.params['extra']\"], which the checkpoint lacks"],
+        ),
+        (
+            fmp.TrainState.create(
+                {k: v for k, v in mlp_params().items() if k != "b2"}, fmp.optim.adamw(1e-2), dynamic()
+            ),
+            ["the checkpoint holds [\"state.params['b2']\"], which the target lacks"],
+        ),
+        (
+            make_state(fmp.optim.sgd(0.1, momentum=0.9)),
+            ["state.opt_state differs in type: AdamState in the checkpoint, SgdState in the target (another optimizer"],
+        ),
+        (
+            make_state(scaler=fmp.DynamicLossScale.create()),
+            ["state.scaler.growth_factor is 3.0 in the checkpoint but 2.0"],
+        ),
+        (
+            make_state(scaler=(dynamic(), dynamic())),
+            ["state.scaler differs in type: DynamicLossScale in the checkpoint"],
+        ),
+    ],
+    ids=["width", "dtype", "extra-param", "missing-param", "optimizer", "scaler-settings", "scaler-tuple"],
+)
+def test_a_target_that_does_not_fit_is_refused_at_its_first_difference(
+    saved: tuple[fmp.TrainState, Path], target: fmp.TrainState, fragments: list[str]
+) -> None:
+    _, path = saved
+    for candidate in (target, meta(target)):
+        with pytest.raises(ValueError, match="does not fit the target") as error:
+            load(path, candidate)
+        refused(error, *fragments, "build the target as the checkpoint's run built its state")
+
+
+def raw_dynamic(scale: float, tracker: int = 0) -> fmp.DynamicLossScale:
+    return fmp.DynamicLossScale(
+        torch.tensor(scale), torch.tensor(tracker, dtype=torch.int32), torch.tensor(0, dtype=torch.int32)
+    )
+
+
+@pytest.mark.parametrize(
+    ("edit", "fragment"),
+    [
+        *[
+            (lambda s, v=v: s._replace(scaler=raw_dynamic(v)), "state.scaler.loss_scale must be a finite scale")
+            for v in (float("nan"), float("inf"), 0.0, -2.0)
+        ],
+        (
+            lambda s: s._replace(scaler=raw_dynamic(2.0, tracker=5000)),
+            "state.scaler.growth_tracker must lie in [0, 1999]",
+        ),
+        (
+            lambda s: s._replace(scaler=(raw_dynamic(2.0), fmp.StaticLossScale(torch.tensor(-1.0)))),
+            "state.scaler[1].loss_scale must be a finite scale",
+        ),
+        (
+            lambda s: s._replace(counts=s.counts._replace(skipped=torch.tensor(-1))),
+            "state.counts.skipped must lie in [0,",
+        ),
+        (
+            lambda s: s._replace(counts=s.counts._replace(applied=torch.tensor(1.0))),
+            "state.counts.applied must be an integer tensor, got torch.float32",
+        ),
+        (
+            lambda s: s._replace(opt_state=s.opt_state._replace(step=torch.tensor(-3, dtype=torch.int32))),
+            "state.opt_state.step must lie in [0,",
+        ),
+    ],
+    ids=["nan", "inf", "zero", "negative", "tracker", "second-scaler", "counts", "float-counter", "adam-step"],
+)
+def test_a_saved_scale_or_counter_out_of_range_is_refused_naming_the_field(
+    edit: Any, fragment: str, tmp_path: Path
+) -> None:
+    bad = edit(make_state(scaler=raw_dynamic(2.0)))
+    save(bad, tmp_path / "bad.pt")
+    with pytest.raises(ValueError) as error:
+        load(tmp_path / "bad.pt", bad)  # a target alike, so only the values are wrong
+    refused(error, f"checkpoint {tmp_path / 'bad.pt'}: {fragment}")
+
+
+def test_save_refuses_what_it_cannot_write(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"state\['epoch'\] is a int; every leaf .* torch.tensor\(x\)"):
+        save({"epoch": 3}, tmp_path / "c.pt")
+    with pytest.raises(ValueError, match=r"state\.params\['w1'\] is on the meta device"):
+        save(meta(make_state()), tmp_path / "c.pt")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_whole(tmp_path: Path) -> None:
+    path = tmp_path / "c.pt"
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), "writer", str(path)], stdout=subprocess.PIPE, text=True, env=ENV
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "saved 1"
+        deadline, partials = time.monotonic() + 20, []
+        while not partials and time.monotonic() < deadline:  # the next save's partial file, mid-write
+            partials = [p for p in tmp_path.iterdir() if p.name.endswith(".partial") and p.stat().st_size > 0]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert partials, "no save was caught mid-write"
+    whole = os.path.getsize(path)
+    state = load(path, worker.writer_state(0))
+    count = int(state.counts.applied)
+    assert count >= 1 and bool((state.params["w"] == count).all())
+    leftovers = [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
+    assert [p.name for p in leftovers] == [partials[0].name]
+    assert leftovers[0].name.startswith(f".{path.name}.")  # hidden, and never the checkpoint's own name
+    if leftovers[0].stat().st_size < whole:  # cut short: never read as a checkpoint
+        with pytest.raises(CheckpointError, match="is truncated or corrupt"):
+            load(leftovers[0], state)
+    save(state, path)  # the dead writer's partial file goes
+    assert os.listdir(tmp_path) == [path.name]
+
+
+def test_a_sharded_state_saved_on_two_ranks_loads_whole_in_one_process(tmp_path: Path) -> None:
+    with socket.socket() as sock:  # a free port for the ranks' store
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), "sharded", str(rank), "2", str(port), str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=ENV,
+        )
+        for rank in range(2)
+    ]
+    try:
+        logs = [proc.communicate(timeout=60)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert [proc.returncode for proc in procs] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    reference = worker.reference_state()
+    results = [torch.load(tmp_path / f"result-{rank}.pt", weights_only=True) for rank in range(2)]
+    assert [result["local_rows"] for result in results] == [3, 2]  # 5 rows over 2 ranks
+    for result in results:  # back into the same sharding on two ranks
+        assert_trees_bitwise_equal(result["full"], reference)
+    # One process, plain tensors: the shards gathered back whole, into a fresh or an abstract target.
+    directory = tmp_path / "checkpoint"
+    target = pytree.tree_map(torch.zeros_like, reference)
+    assert_trees_bitwise_equal(load_sharded(directory, target), reference)
+    assert_trees_bitwise_equal(load_sharded(directory, meta(reference)), reference)
+    assert not any(bool(t.any()) for t in pytree.tree_leaves(target))
+    wider = reference._replace(params={**reference.params, "w2": torch.zeros(3, 6)})
+    with pytest.raises(ValueError) as error:
+        load_sharded(directory, wider)
+    refused(error, "state.params['w2'] differs in shape: shape (3, 5), float32 in the checkpoint, shape (3, 6)")
+
+
+def test_a_sharded_save_in_one_process_and_an_unfinished_directory(tmp_path: Path) -> None:
+    state = make_state(scaler=(dynamic(), fmp.StaticLossScale.create(4.0)))
+    save_sharded(state, tmp_path / "one")
+    assert_trees_bitwise_equal(load_sharded(tmp_path / "one", meta(state)), state)
+    (tmp_path / "one" / "fmp_checkpoint.json").unlink()  # as a save that died before finishing
+    with pytest.raises(CheckpointError) as error:
+        load_sharded(tmp_path / "one", state)
+    refused(error, "holds no fmp_checkpoint.json: no save_sharded finished writing there")
+    bad = state._replace(scaler=(raw_dynamic(float("inf")), state.scaler[1]))
+    save_sharded(bad, tmp_path / "bad")
+    with pytest.raises(ValueError) as error:
+        load_sharded(tmp_path / "bad", bad)
+    refused(error, "state.scaler[0].loss_scale must be a finite scale")
