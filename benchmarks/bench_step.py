@@ -153,7 +153,7 @@ def buffer_contender(model: nn.Module, setting: Setting) -> Contender:
         nonlocal scaler
         with torch.autocast(device_type, dtype=setting.dtype, enabled=autocast):
             loss = nn.functional.mse_loss(model(x), y)
-        scaler.scale(loss).backward()
+        grads.scale(loss, scaler).backward()
         grads_finite, scaler = grads.unscale_(scaler)
         grads.step(optimizer, grads_finite)
         grads.zero_()

@@ -75,7 +75,7 @@ def train_fmp_autograd(
         for x, y in data:
             with torch.autocast("cpu", dtype=dtype):
                 loss = nn.functional.mse_loss(model(x), y)
-            scaler.scale(loss).backward()
+            grads.scale(loss, scaler).backward()  # through the buffer: unscale_ refuses a backward it did not scale
             grads_finite, scaler = grads.unscale_(scaler)
             grads.step(optimizer, grads_finite)
             grads.zero_()

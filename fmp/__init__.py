@@ -15,6 +15,7 @@ from fmp import nn
 from fmp import optim
 from fmp import remat
 from fmp import serialization
+from fmp._accumulate import AccumulatedGradients
 from fmp._accumulate import GradientAccumulator
 from fmp._grad import Gradients
 from fmp._grad import mixed_precision_grad
@@ -47,6 +48,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "OPTREE_NAMESPACE",
+    "AccumulatedGradients",
     "DynamicLossScale",
     "GradientAccumulator",
     "Gradients",

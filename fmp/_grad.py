@@ -204,7 +204,9 @@ def _warn_unless_depends_on_params(loss: torch.Tensor, which: str, params: Any, 
 
 
 def _check_aux(aux: Any) -> None:
-    for path, leaf in pytree.tree_flatten_with_path(aux)[0]:
+    if all(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(aux)):
+        return
+    for path, leaf in pytree.tree_flatten_with_path(aux)[0]:  # paths only for the message
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"aux{pytree.keystr(path)} is a {type(leaf).__name__}; aux must be a pytree of tensors")
 

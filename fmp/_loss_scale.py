@@ -1,8 +1,9 @@
 """Loss-scale states: immutable pytrees with pure `scale`, `unscale` and `adjust` methods.
 
 Every dynamic value is a 0-dim tensor leaf; hyperparameters are static fields kept in the treespec.
-`DynamicLossScale.adjust` reproduces `torch.amp.GradScaler.update` exactly under default bounds, and
-puts a scale that is out of range (NaN, inf, 0, negative, past its bounds) back in range without a
+`DynamicLossScale.adjust` reproduces `torch.amp.GradScaler.update` exactly under default bounds while
+the scale stays a normal float32 (GradScaler backs off into subnormals; fmp stops at the smallest
+normal), and puts a scale that is out of range (NaN, inf, 0, negative, past its bounds) back in range without a
 host sync, so a corrupted state cannot leave training skipping every step.
 """
 
@@ -431,8 +432,10 @@ def check_scaler(scaler: Any) -> None:
         raise TypeError(
             f"scaler must be an fmp loss-scale state (e.g. DynamicLossScale.create()), got {type(scaler).__name__}"
         )
+    if all(isinstance(leaf, torch.Tensor) and leaf.dim() == 0 for leaf in pytree.tree_leaves(scaler)):
+        return
     name = type(scaler).__name__
-    for path, leaf in pytree.tree_flatten_with_path(scaler)[0]:
+    for path, leaf in pytree.tree_flatten_with_path(scaler)[0]:  # paths only for the message
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
                 f"{name} holds a {type(leaf).__name__} where a tensor belongs; build it with {name}.create(...), "

@@ -45,12 +45,19 @@ def global_norm(tree: Any) -> torch.Tensor:
         groups.setdefault((leaf.device, leaf.dtype), []).append(leaf)
     device = leaves[0].device
     norms = [
-        torch.linalg.vector_norm(g, 2, dtype=torch.float32 if g.dtype == torch.float16 else None).to(device)
+        torch.linalg.vector_norm(_dense_values(g), 2, dtype=torch.float32 if g.dtype == torch.float16 else None).to(
+            device
+        )
         for group in groups.values()
         for g in group
     ]
     norm: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms), 2)
     return norm
+
+
+def _dense_values(leaf: torch.Tensor) -> torch.Tensor:
+    # A sparse COO gradient's norm is that of its values once duplicate indices are summed.
+    return leaf.coalesce().values() if leaf.layout == torch.sparse_coo else leaf
 
 
 def clip_tree_by_global_norm(grads: Tree, max_norm: float, *, in_place: bool = False) -> tuple[Tree, torch.Tensor]:
@@ -77,6 +84,8 @@ def clip_tree_by_global_norm(grads: Tree, max_norm: float, *, in_place: bool = F
             return g
         # Each gradient keeps its dtype, as under clip_grad_norm_'s in-place multiply: a 0-dim
         # float16 gradient times the float32 factor would otherwise be promoted to float32.
+        if g.layout == torch.sparse_coo:  # a sparse tensor times a 0-dim one stays sparse
+            return (g * factor.to(g.device, g.dtype)).coalesce()
         return g.mul_(factor.to(g.device)) if in_place and writable(g) else (g * factor.to(g.device)).to(g.dtype)
 
     clipped = pytree.tree_map(clip, grads)

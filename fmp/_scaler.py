@@ -124,6 +124,8 @@ def _is_scaler(node: Any) -> bool:
 
 def adjust_each(scaler: Any, finite_per_loss: Any) -> Any:
     """Each scaler adjusted by its own flag (one scaler and flag, or tuples of them, one per loss)."""
+    if isinstance(scaler, LossScale):
+        return scaler.adjust(finite_per_loss)
     return pytree.tree_map(lambda s, finite: s.adjust(finite), scaler, finite_per_loss, is_leaf=_is_scaler)
 
 

@@ -103,6 +103,8 @@ def _stalled(scaler: ScalerTree, finite_per_loss: Any) -> torch.Tensor:
     A scale out of range fails the comparison (NaN) or passes it (0, negative): `bad_scale` names such
     steps apart.
     """
+    if not isinstance(scaler, tuple):  # one loss: no tree to walk
+        return ~finite_per_loss & _at_min_scale(scaler)  # type: ignore[no-any-return]
     per_loss = pytree.tree_leaves(
         pytree.tree_map(lambda s, finite: ~finite & _at_min_scale(s), scaler, finite_per_loss, is_leaf=_is_scaler)
     )
@@ -115,6 +117,12 @@ def _with_scales_in_range(scaler: ScalerTree, gradients: Gradients) -> tuple[Gra
     Such a scale (NaN, inf, 0, negative: a crafted or corrupted state) made gradients that mean
     nothing, even where finite (a negative scale), so the step is skipped and the adjust resets it.
     """
+    if not isinstance(scaler, tuple):  # one loss: no tree to walk
+        in_range_one = scale_in_range(scaler)
+        return gradients._replace(
+            grads_finite=gradients.grads_finite & in_range_one,
+            finite_per_loss=gradients.finite_per_loss & in_range_one,
+        ), ~in_range_one
     in_range = pytree.tree_map(scale_in_range, scaler, is_leaf=_is_scaler)
     finite_per_loss = pytree.tree_map(torch.logical_and, gradients.finite_per_loss, in_range)
     flags = pytree.tree_leaves(in_range)
@@ -131,7 +139,7 @@ def _loss_scale(scaler: ScalerTree, device: torch.device) -> Any:
     def scale_of(s: LossScale) -> torch.Tensor:
         return torch.ones((), device=device) if isinstance(s, NoOpLossScale) else s.loss_scale
 
-    return pytree.tree_map(scale_of, scaler, is_leaf=_is_scaler)
+    return scale_of(scaler) if not isinstance(scaler, tuple) else tuple(scale_of(s) for s in scaler)
 
 
 def _check_finite_per_loss(finite_per_loss: Any, scaler: Any) -> None:

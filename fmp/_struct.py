@@ -5,6 +5,11 @@ through the namespace `OPTREE_NAMESPACE`. Tensor fields are leaves; fields decla
 `static_field()` are configuration and live in the treespec, so they survive every round trip.
 Both decorators also allow the class in `torch.load(weights_only=True)`, so a saved state loads
 with torch's safe default and no extra context.
+
+Names in files: a decorated class of fmp takes its public name as `__module__` (`fmp.TrainState`,
+`fmp.optim.AdamState`, not the private modules that define them), so pickles and serialized
+treespecs survive moves between private modules. The names earlier fmp versions wrote stay
+readable through `LEGACY_NAMES`, the compatibility table below.
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ import torch.utils._pytree as torch_pytree
 from typing_extensions import dataclass_transform
 
 __all__ = [
+    "LEGACY_NAMES",
     "OPTREE_NAMESPACE",
+    "ZERO_PADDED",
+    "current_name",
     "pytree_dataclass",
     "replace",
     "serializable_namedtuple",
@@ -39,10 +47,93 @@ T = TypeVar("T")
 # Every class the decorators below registered, in order of definition.
 _STATE_CLASSES: list[type] = []
 
+# Classes fmp does not export, which keep their defining (private) module as their name: none of
+# them is ever part of a state that is saved. Every other state class is reachable by its public
+# name (tests/test_layout.py checks both).
+LEGACY_NAMES: dict[str, str] = {
+    # Written by fmp before the layout by concern (commit e53d265): public modules of their own.
+    "fmp.state.TrainState": "fmp.TrainState",
+    "fmp.state.StepCounts": "fmp.StepCounts",  # 4 counts then: see ZERO_PADDED
+    "fmp.loss_scale.NoOpLossScale": "fmp.NoOpLossScale",
+    "fmp.loss_scale.StaticLossScale": "fmp.StaticLossScale",
+    "fmp.loss_scale.DynamicLossScale": "fmp.DynamicLossScale",
+    "fmp.accumulate.GradientAccumulator": "fmp.GradientAccumulator",
+    "fmp.accumulate.AccumulatedGradients": "fmp._accumulate.AccumulatedGradients",
+    "fmp.grad.Gradients": "fmp.Gradients",
+    "fmp.step.StepInfo": "fmp.StepInfo",
+    "fmp.optim.adam.AdamState": "fmp.optim.AdamState",
+    "fmp.optim.sgd.SgdState": "fmp.optim.SgdState",
+    "fmp.optim.ema.EmaState": "fmp.optim.EmaState",
+    "fmp.optim.stochastic_rounding.StochasticRoundingState": "fmp.optim.StochasticRoundingState",
+    # Written from the layout by concern until the stable public names: the private defining modules.
+    "fmp._state.TrainState": "fmp.TrainState",
+    "fmp._state.StepCounts": "fmp.StepCounts",  # 4 counts at e53d265, 6 since
+    "fmp._loss_scale.NoOpLossScale": "fmp.NoOpLossScale",
+    "fmp._loss_scale.StaticLossScale": "fmp.StaticLossScale",
+    "fmp._loss_scale.DynamicLossScale": "fmp.DynamicLossScale",
+    "fmp._accumulate.GradientAccumulator": "fmp.GradientAccumulator",
+    "fmp._grad.Gradients": "fmp.Gradients",
+    "fmp._step.StepInfo": "fmp.StepInfo",
+    "fmp.optim._adam.AdamState": "fmp.optim.AdamState",
+    "fmp.optim._sgd.SgdState": "fmp.optim.SgdState",
+    "fmp.optim._ema.EmaState": "fmp.optim.EmaState",
+    "fmp.optim._stochastic_rounding.StochasticRoundingState": "fmp.optim.StochasticRoundingState",
+}
+"""Compatibility table: a name an earlier fmp wrote into pickles (and treespecs) -> the class's name now.
+
+`torch.load(weights_only=True)` rebuilds each legacy name as the current class (fields unchanged,
+except as `ZERO_PADDED` says). Add an entry whenever a state class's public name changes.
+"""
+
+ZERO_PADDED = frozenset({"fmp.StepCounts"})
+"""NamedTuples that gained trailing tensor fields (StepCounts: `bad_scale` and `bad_update`): a
+pickle with fewer fields loads with the missing ones zero, of the first field's dtype and device."""
+
+
+def current_name(name: str) -> str:
+    """The name a state class has now, for a name (current or in `LEGACY_NAMES`) found in a file."""
+    return LEGACY_NAMES.get(name, name)
+
+
+def _public_module(module: str) -> str:
+    """`fmp._state` -> `fmp`, `fmp.optim._adam` -> `fmp.optim`: the module up to its first private part."""
+    parts = module.split(".")
+    if parts[0] != "fmp":  # a class of another package (a test's) keeps its module
+        return module
+    public = []
+    for part in parts:
+        if part.startswith("_"):
+            break
+        public.append(part)
+    return ".".join(public)
+
+
+def _name_publicly(cls: type) -> None:
+    """Sets `cls.__module__` to its public namespace, which exports it."""
+    cls.__module__ = _public_module(cls.__module__)
+
+
+def _zero_padding_loader(cls: type) -> type:
+    """A stand-in for `cls` in the unpickler's NEWOBJ (`loader.__new__(loader, *fields)`): pads to `cls`'s fields."""
+    width = len(cls._fields)  # type: ignore[attr-defined]
+
+    class Loader:
+        def __new__(loader: type, *fields: Any) -> Any:
+            if fields and len(fields) < width:
+                fields = (*fields, *(torch.zeros_like(fields[0]) for _ in range(width - len(fields))))
+            return cls(*fields)
+
+    Loader.__qualname__ = Loader.__name__ = f"Legacy{cls.__qualname__}"
+    Loader.__module__ = __name__
+    return Loader
+
 
 def _allow_in_checkpoints(cls: type) -> None:
     _STATE_CLASSES.append(cls)
-    torch.serialization.add_safe_globals([cls])
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    loader = _zero_padding_loader(cls) if name in ZERO_PADDED else cls
+    legacy = [(loader, old) for old, new in LEGACY_NAMES.items() if new == name]
+    torch.serialization.add_safe_globals([cls, *legacy])
 
 
 def state_classes() -> list[type]:
@@ -106,6 +197,7 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
     leaf_names = tuple(f.name for f in fields if not f.metadata.get(_STATIC, False))
     static_names = tuple(f.name for f in fields if f.metadata.get(_STATIC, False))
     setattr(data_cls, _FIELD_NAMES, (data_cls, tuple(f.name for f in fields)))
+    _name_publicly(data_cls)  # after dataclass(), which resolves annotations in the defining module
 
     def flatten(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:
         return [getattr(obj, n) for n in leaf_names], tuple(getattr(obj, n) for n in static_names)
@@ -147,6 +239,7 @@ def serializable_namedtuple(cls: NamedTupleT) -> NamedTupleT:
     Every NamedTuple is a pytree, but `torch.utils._pytree.treespec_dumps` (and so `torch.export.save`
     of a program taking or returning fmp's state) refuses one registered without a name.
     """
+    _name_publicly(cls)
     torch_pytree._register_namedtuple(cls, serialized_type_name=f"{cls.__module__}.{cls.__qualname__}")
     _allow_in_checkpoints(cls)
     return cls

@@ -213,7 +213,7 @@ def test_gradient_buffer_loop_matches_grad_scaler_with_fused_adamw_and_never_syn
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error" if step > 0 else "default")  # the first step compiles
         try:
-            scaler.scale(loss(ours, x)).backward()
+            grads.scale(loss(ours, x), scaler).backward()
             grads_finite, scaler = grads.unscale_(scaler)
             grads.step(optimizer, grads_finite)
             grads.zero_()

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import fmp._scaler
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 SNIPPETS = ROOT / "examples" / "snippets"
@@ -117,3 +119,6 @@ def test_snippet_runs(snippet: str, monkeypatch: pytest.MonkeyPatch, tmp_path: P
         runpy.run_path(str(SNIPPETS / snippet), run_name="__main__")
     finally:
         torch.set_rng_state(state)
+        # A GradientBuffer compiles its unscale lazily and keeps it: drop the one made while
+        # torch.compile was patched out, or later tests in this process would get it uncompiled.
+        fmp._scaler._compiled.cache_clear()

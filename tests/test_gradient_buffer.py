@@ -130,7 +130,7 @@ def test_gradients_are_not_unscaled_twice() -> None:
     buffer = fmp.interop.GradientBuffer.attach(model.parameters())
     scaler = fmp.StaticLossScale.create(4.0)
     with torch.compiler.set_stance("force_eager"):  # the subject is the bookkeeping, not the kernel
-        loss_of(model, torch.randn(5, 6)).backward()
+        buffer.scale(loss_of(model, torch.randn(5, 6)), scaler).backward()
         buffer.unscale_(scaler)
         with pytest.raises(RuntimeError, match="the gradients were already unscaled"):
             buffer.unscale_(scaler)
@@ -139,7 +139,7 @@ def test_gradients_are_not_unscaled_twice() -> None:
         with pytest.raises(RuntimeError, match="no backward has accumulated into them since, nor has zero_"):
             buffer.unscale_and_clip_(scaler, 1.0)
         buffer.zero_()
-        loss_of(model, torch.randn(5, 6)).backward()
+        buffer.scale(loss_of(model, torch.randn(5, 6)), scaler).backward()
         buffer.unscale_(scaler)
 
 
@@ -234,7 +234,7 @@ def test_a_training_loop_matches_grad_scaler_with_fused_adamw_bit_for_bit(
             grad_scaler.update()
             reference_optimizer.zero_grad()
 
-            scaler.scale(loss_of(model, x)).backward()
+            buffer.scale(loss_of(model, x), scaler).backward()
             grads_finite, scaler = buffer.unscale_(scaler)
             buffer.step(optimizer, grads_finite)
             buffer.zero_()
@@ -293,9 +293,10 @@ def step_on(
     model: nn.Module, buffer: fmp.interop.GradientBuffer, optimizer: torch.optim.Optimizer, x: torch.Tensor
 ) -> bool:
     """One step of the README's loop with a static scale; returns whether its gradients were finite."""
+    scaler = fmp.StaticLossScale.create(2.0)
     with torch.compiler.set_stance("force_eager"):
-        loss_of(model, x).backward()
-        grads_finite, _ = buffer.unscale_(fmp.StaticLossScale.create(2.0))
+        buffer.scale(loss_of(model, x), scaler).backward()
+        grads_finite, _ = buffer.unscale_(scaler)
     buffer.step(optimizer, grads_finite)
     buffer.zero_()
     return bool(grads_finite)
@@ -419,7 +420,7 @@ def test_a_shallow_copy_keeps_seeing_backwards_after_the_original_is_gone() -> N
     gc.collect()
     scaler = fmp.StaticLossScale.create(2.0)
     for _ in range(2):  # no zero_() between: the second backward's hooks must still mark the gradients
-        loss_of(model, torch.randn(5, 6)).backward()
+        handle.scale(loss_of(model, torch.randn(5, 6)), scaler).backward()
         handle.unscale_(scaler)
 
 
@@ -447,11 +448,11 @@ def test_zero__clears_the_padding_a_non_finite_clip_wrote() -> None:
     param = torch.nn.Parameter(torch.randn(10, generator=torch.Generator().manual_seed(0)))
     buffer = fmp.interop.GradientBuffer.attach([param], compiled=False)
     scaler = fmp.DynamicLossScale.create(init_scale=4.0)
-    (param * float("nan")).sum().backward()
+    buffer.scale((param * float("nan")).sum(), scaler).backward()
     grads_finite, _, scaler = buffer.unscale_and_clip_(scaler, 1.0)
     assert not bool(grads_finite)
     buffer.zero_()
     assert not bool(buffer.flat()[0].isnan().any())
-    (param * scaler.loss_scale).sum().backward()
+    buffer.scale(param.sum(), scaler).backward()
     grads_finite, norm, _ = buffer.unscale_and_clip_(scaler, 1.0)
     assert bool(grads_finite) and float(norm) == float(torch.linalg.vector_norm(torch.ones(10)))

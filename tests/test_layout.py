@@ -63,3 +63,16 @@ def test_implementation_modules_are_private(package: str) -> None:
     for info in pkgutil.iter_modules(module.__path__):
         public = f"{package}.{info.name}"
         assert info.name.startswith("_") or public in PUBLIC_PACKAGES, f"{public} is neither private nor a public face"
+
+
+def test_state_classes_are_pickled_by_public_names_that_resolve_to_them() -> None:
+    """The rule: a state class is named by the public namespace that exports it (fmp.TrainState,
+    fmp.optim.AdamState), never by the private module that defines it, so moving code between
+    private modules never breaks a saved file."""
+    from fmp._struct import state_classes
+
+    for cls in state_classes():
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        assert not any(part.startswith("_") for part in cls.__module__.split(".")), name
+        assert cls.__qualname__ in importlib.import_module(cls.__module__).__all__, name
+        assert getattr(importlib.import_module(cls.__module__), cls.__qualname__) is cls, name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -342,3 +343,119 @@ def test_a_sharded_save_in_one_process_and_an_unfinished_directory(tmp_path: Pat
     with pytest.raises(ValueError) as error:
         load_sharded(tmp_path / "bad", bad)
     refused(error, "state.scaler[0].loss_scale must be a finite scale")
+
+
+DATA = Path(__file__).resolve().parent / "data"  # made by tests/data/make_legacy_checkpoints.py
+
+
+@pytest.mark.parametrize("commit", ["b733f70", "e53d265"])
+def test_states_torch_saved_by_earlier_fmp_versions_load_as_todays_classes(commit: str, tmp_path: Path) -> None:
+    # b733f70 wrote fmp.state.TrainState, e53d265 fmp._state.TrainState; both 4 counts, not 6.
+    loaded = torch.load(DATA / f"{commit}-torch-save.pt", weights_only=True)
+    adam, sgd = loaded["adam"], loaded["sgd"]
+    assert type(adam) is fmp.TrainState and type(adam.opt_state) is fmp.optim.AdamState
+    assert type(adam.scaler) is fmp.DynamicLossScale and type(adam.accumulator) is fmp.GradientAccumulator
+    assert type(sgd.opt_state) is fmp.optim.SgdState and type(sgd.scaler) is fmp.StaticLossScale
+    assert type(loaded["ema"]) is fmp.optim.EmaState and type(loaded["rounding"]) is fmp.optim.StochasticRoundingState
+    assert type(loaded["noop"]) is fmp.NoOpLossScale
+    counts = adam.counts
+    assert type(counts) is fmp.StepCounts
+    assert [int(c) for c in counts] == [7, 2, 0, 1, 0, 0]  # bad_scale and bad_update: zero
+    assert {(c.dtype, c.device, c.dim()) for c in counts} == {(torch.int64, torch.device("cpu"), 0)}
+    assert torch.equal(adam.params["w"], torch.arange(3.0))
+    counts.check(None)
+    # Saved again, the names are today's public ones.
+    save(adam, tmp_path / "again.pt")
+    assert_trees_bitwise_equal(load(tmp_path / "again.pt", adam), adam)
+    # fmp.serialization.load reads only its own format, and says how to read this one.
+    with pytest.raises(CheckpointError) as error:
+        load(DATA / f"{commit}-torch-save.pt", loaded)
+    refused(error, "is not an fmp checkpoint (it holds a dict", "read other files with torch.load")
+
+
+def test_a_checkpoint_fmp_serialization_saved_under_private_class_names_loads(tmp_path: Path) -> None:
+    # 9a0f3df named its classes by their private modules (fmp._state.TrainState) in the pickle and treespec.
+    path = DATA / "9a0f3df-fmp-save.pt"
+    plain = torch.load(path, weights_only=True)
+    assert "fmp._state.TrainState" in plain["treespec"]
+    target = torch.load(DATA / "e53d265-torch-save.pt", weights_only=True)  # the same states
+    loaded = load(path, meta(target))
+    assert_trees_bitwise_equal(loaded, plain["state"])
+    assert_trees_bitwise_equal(loaded, target)
+    assert type(loaded["adam"]) is fmp.TrainState and type(loaded["adam"].opt_state) is fmp.optim.AdamState
+
+
+def test_pickles_and_treespecs_use_public_class_names(tmp_path: Path) -> None:
+    state = make_state()
+    torch.save(state, tmp_path / "plain.pt")
+    data = (tmp_path / "plain.pt").read_bytes()
+    assert b"fmp._" not in data and b"fmp.optim._" not in data and b"fmp.optim\nAdamState" in data
+    assert "fmp._" not in pytree.treespec_dumps(pytree.tree_structure(state))
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(where=st.lists(st.floats(0.0, 1.0, exclude_max=True), min_size=1, max_size=3), bit=st.integers(0, 7))
+def test_flipped_bits_anywhere_are_refused_as_corrupt(
+    saved: tuple[fmp.TrainState, Path], tmp_path_factory: pytest.TempPathFactory, where: list[float], bit: int
+) -> None:
+    state, path = saved
+    data = bytearray(path.read_bytes())
+    for fraction in where:
+        data[int(fraction * len(data))] ^= 1 << bit
+    bad = tmp_path_factory.mktemp("flip") / "c.pt"
+    bad.write_bytes(bytes(data))
+    try:
+        loaded = load(bad, state)
+    except CheckpointError as error:
+        assert (
+            "truncated or corrupt" in str(error)
+            or "not an fmp checkpoint" in str(error)
+            or "format version" in str(error)
+        )
+        return
+    except ValueError as error:  # a clean structural refusal names a leaf or node
+        assert type(error) is ValueError and "state" in str(error), error
+        return
+    assert_trees_bitwise_equal(loaded, state)  # a flip in bytes nothing reads (zip padding, a name)
+
+
+def test_saved_files_get_the_mode_torch_save_gives_or_keep_their_own(tmp_path: Path) -> None:
+    umask = os.umask(0o027)
+    try:
+        save({"x": torch.ones(2)}, tmp_path / "new.pt")
+        torch.save({"x": torch.ones(2)}, tmp_path / "torch.pt")
+    finally:
+        os.umask(umask)
+    mode = (tmp_path / "new.pt").stat().st_mode & 0o777
+    assert mode == (tmp_path / "torch.pt").stat().st_mode & 0o777 == 0o640
+    (tmp_path / "new.pt").chmod(0o604)
+    save({"x": torch.ones(2)}, tmp_path / "new.pt")
+    assert (tmp_path / "new.pt").stat().st_mode & 0o777 == 0o604
+
+
+def test_lazily_conjugated_and_negated_leaves_save_as_their_values(tmp_path: Path) -> None:
+    z = torch.randn(3, dtype=torch.complex64)
+    state = {"conj": z.conj(), "neg": z.conj().imag, "expanded": torch.ones(1).expand(4)}
+    save(state, tmp_path / "c.pt")
+    loaded = load(tmp_path / "c.pt", state)
+    for key, value in state.items():
+        assert torch.equal(loaded[key], value.resolve_conj().resolve_neg()), key
+        assert not loaded[key].is_conj() and not loaded[key].is_neg()
+
+
+def test_a_damaged_shard_file_or_replicated_leaf_is_a_checkpoint_error(tmp_path: Path) -> None:
+    state = make_state(fmp.optim.sgd(0.1))
+    save_sharded(state, tmp_path / "cut")
+    shard = next((tmp_path / "cut").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(CheckpointError) as error:  # DCP's CheckpointException is a BaseException
+        load_sharded(tmp_path / "cut", state)
+    refused(error, f"checkpoint {tmp_path / 'cut'} is truncated or corrupt (CheckpointException")
+    save_sharded(state, tmp_path / "edited")
+    header_file = tmp_path / "edited" / "fmp_checkpoint.json"
+    header = json.loads(header_file.read_text())
+    header["replicated_sha256"][".scaler.loss_scale"] = "0" * 64
+    header_file.write_text(json.dumps(header))
+    with pytest.raises(CheckpointError) as error:
+        load_sharded(tmp_path / "edited", state)
+    refused(error, "the sha256 of state.scaler.loss_scale does not match")

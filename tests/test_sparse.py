@@ -130,3 +130,25 @@ def test_train_step_with_a_sparse_embedding_equals_torch_amp() -> None:
     before = state.params
     state, info = fmp.train_step(loss_fn, state, INDICES, targets * float("nan"), policy=fmp.Policy(), optimizer=sgd)
     assert not bool(info.applied) and all(torch.equal(state.params[k], before[k]) for k in before)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_clipping_measures_and_scales_a_sparse_gradient_as_its_dense_form(donate: bool) -> None:
+    # torch's clip_grad_norm_ cannot take the norm of a sparse gradient; its dense form is the reference.
+    grad = embedding_grad(scale=8.0)
+    dense = fmp.unscale_and_adjust(fmp.DynamicLossScale.create(8.0), {"w": grad.to_dense()}, max_norm=0.5)
+    out = fmp.unscale_and_adjust(fmp.DynamicLossScale.create(8.0), {"w": grad}, max_norm=0.5, donate=donate)
+    assert out.grads["w"].layout == torch.sparse_coo
+    torch.testing.assert_close(out.grad_norm, dense.grad_norm)
+    torch.testing.assert_close(out.grads["w"].to_dense(), dense.grads["w"])
+    assert float(out.grad_norm) > 0.5 and bool(out.grads_finite)
+
+
+def test_a_step_reports_the_norm_of_sparse_gradients() -> None:
+    def loss_fn(params: dict[str, torch.Tensor], indices: torch.Tensor) -> torch.Tensor:
+        return F.embedding(indices, params["emb"], sparse=True).sum()
+
+    state = fmp.TrainState.create({"emb": torch.ones(10, 4)}, fmp.optim.sgd(0.1), fmp.DynamicLossScale.create(8.0))
+    _, info = fmp.train_step(loss_fn, state, INDICES, policy=fmp.Policy(), optimizer=fmp.optim.sgd(0.1), grad_norm=True)
+    # Rows 1 and 7 once or twice, row 3 three times: the norm of the summed rows' gradients.
+    torch.testing.assert_close(info.grad_norm, torch.tensor((4 * (2**2 + 3**2 + 1**2)) ** 0.5))

@@ -157,7 +157,7 @@ def test_gradient_buffer_unscales_and_clips_as_grad_scaler_and_clip_grad_norm_(
     grads = fmp.interop.GradientBuffer.attach(model.parameters(), compiled=compiled)
     x = torch.randn(5, 6) * 30
     scaler = fmp.DynamicLossScale.create(SCALE)
-    scaler.scale(model(x).square().mean()).backward()
+    grads.scale(model(x).square().mean(), scaler).backward()
     reference, reference_norm, _ = torch_amp_reference([p.grad.clone() for p in model.parameters()], 1.0)  # type: ignore[union-attr]
     grads_finite, grad_norm, _ = grads.unscale_and_clip_(scaler, 1.0)
     assert bool(grads_finite) and float(reference_norm) > 1.0  # the clip binds

@@ -17,7 +17,7 @@ scaler = fmp.DynamicLossScale.create(device=device)
 for x, y in data:  # your batches
     with torch.autocast(device, dtype=fmp.half_dtype(device)):  # float16 on CUDA, bfloat16 on CPU
         loss = nn.functional.mse_loss(model(x.to(device)), y.to(device))
-    scaler.scale(loss).backward()
+    grads.scale(loss, scaler).backward()  # not scaler.scale(loss): unscale_ refuses a backward it did not scale
     grads_finite, scaler = grads.unscale_(scaler)  # on device: nothing waits for the host
     grads.step(optimizer, grads_finite)  # params and optimizer state untouched where not finite
     grads.zero_()  # not optimizer.zero_grad(), which sets .grad to None and detaches the views

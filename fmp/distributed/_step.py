@@ -79,6 +79,9 @@ def train_step(
         first difference (see `check_replicas` for values). Later calls sync nothing: the
         all-reduce's result stays on the device. Under `torch.compile` the comparison is skipped,
         so a compiled step relies on `broadcast_tree` (which compares too) or a first eager call.
+        A rank whose layout changes after its first step is not compared again: its all-reduce
+        then meets the others' with other sizes (a hang or a gloo/NCCL error); call
+        `check_replicas` after changing a model.
         A rank that dies or stalls makes the others fail after the process group's timeout
         (`init_process_group(timeout=...)`).
 

@@ -12,6 +12,7 @@ torch optimizer skip an overflowed step on the device.
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from collections.abc import Callable
 from collections.abc import Iterable
@@ -23,6 +24,7 @@ import torch
 
 from fmp._checks import check_bool
 from fmp._loss_scale import LossScale
+from fmp._loss_scale import NoOpLossScale
 from fmp._loss_scale import check_scaler
 from fmp._scaler import compiled_unscale_and_adjust
 from fmp._scaler import unscale_and_adjust
@@ -118,6 +120,16 @@ def _check_skips_on_device(optimizer: Any) -> None:
         )
 
 
+class _ScaledLoss:
+    """One loss `GradientBuffer.scale` returned: whether its `.backward()` is starting, and its graph task."""
+
+    __slots__ = ("starting", "task")
+
+    def __init__(self) -> None:
+        self.starting = False
+        self.task: int | None = None
+
+
 class _Accumulation:
     """What the gradients went through since the last unscale or `zero_()`, kept by autograd hooks on the host.
 
@@ -126,11 +138,19 @@ class _Accumulation:
     the gradients (`clip_grad_norm_`) leaves it as it was.
 
     `unscaled_param`: the first parameter to receive a gradient from a backward that did not
-    start at a loss `GradientBuffer.scale` returned. A pre-hook on each such loss's autograd node
-    enters its backward (its graph task) in `scaled_backwards` when it starts, and a callback
-    queued on the engine takes it out when it ends; an accumulation while none is under way came
-    from another backward. A backward nested in a scaled one (a reentrant checkpoint's) counts as
-    scaled, as its gradients are. Python flags only: no tensor is read.
+    start with `.backward()` on a loss `GradientBuffer.scale` returned. `scale` gives that loss a
+    `.backward` of its own (an attribute of that tensor only), which flags the loss as starting
+    and runs `torch.autograd.backward` from the loss's gradient edge, as `torch.Tensor.backward`
+    does from the loss; a pre-hook on the loss's autograd node, that graph task's root, then enters
+    the task in `scaled_backwards` with the thread that runs the node, and the `.backward` takes it
+    out when it returns or raises. A backward that starts anywhere else is not entered, even one
+    whose graph holds the scaled loss: `(scaled + loss).backward()` reaches the scaled loss's node
+    through `+` (no flag is up then), and `loss`'s gradients are not scaled. An accumulation counts
+    as scaled when its graph task is in `scaled_backwards`, or runs on the thread of one while that
+    one runs: a backward nested in it (a reentrant checkpoint's), whose gradients are scaled too.
+    That thread is the one engine thread of a GPU, so there a backward that another Python thread
+    runs at the same time on the same parameters counts as scaled as well. Python flags only: no
+    tensor is read.
 
     The hooks hold this object weakly and are taken off the parameters when it dies with the last
     handle sharing it (a buffer attached again, after moving the model, say, leaves no hooks of
@@ -139,8 +159,7 @@ class _Accumulation:
 
     def __init__(self, params: tuple[torch.Tensor, ...]) -> None:
         self.since_unscale = True  # gradients copied in at attach may be unscaled once
-        self.scales_losses = False  # set by GradientBuffer.scale: from then on, unscaled backwards are refused
-        self.scaled_backwards: set[int] = set()
+        self.scaled_backwards: dict[int, int] = {}  # graph task id -> the thread that runs it
         self.unscaled_param: int | None = None
         flag = weakref.ref(self)
 
@@ -150,7 +169,7 @@ class _Accumulation:
                 if alive is None:
                     return
                 alive.since_unscale = True
-                if not alive.scaled_backwards and alive.unscaled_param is None:
+                if alive.unscaled_param is None and not alive.scaled_now():
                     alive.unscaled_param = index
 
             return mark
@@ -158,25 +177,60 @@ class _Accumulation:
         hooks = [param.register_post_accumulate_grad_hook(marker(i)) for i, param in enumerate(params)]  # type: ignore[no-untyped-call]
         weakref.finalize(self, _remove_hooks, hooks)
 
-    def watch(self, node: torch.autograd.graph.Node) -> None:
-        """Counts every backward that starts at `node` (a scaled loss's) as scaled while it runs."""
+    def scaled_now(self) -> bool:
+        """Whether the graph task accumulating now is a scaled backward, or nested in one (on its thread)."""
+        running = self.scaled_backwards
+        return torch._C._current_graph_task_id() in running or threading.get_ident() in running.values()
+
+    def watch(self, scaled: torch.Tensor) -> None:
+        """Gives `scaled` a `.backward` of its own, whose backward counts as scaled while it runs.
+
+        Only that call counts: a backward started at any other tensor (one computed from `scaled`,
+        or `torch.autograd.backward(scaled)`) reaches `scaled`'s node too, but not as its root.
+        """
         flag = weakref.ref(self)
+        loss = _ScaledLoss()
+        # The edge into `scaled`'s node, not `scaled`: the tensor holds this `.backward`, and a
+        # reference back to the tensor would be a cycle keeping its graph alive until a collection.
+        edge = torch.autograd.graph.get_gradient_edge(scaled)
 
         def starts(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
             alive = flag()
-            if alive is None:
+            # The root of the backward `backward` below started: the first task to reach the node
+            # once it flagged the loss, before any other node of that task ran.
+            if alive is None or not loss.starting:
                 return
-            task = torch._C._current_graph_task_id()
-            alive.scaled_backwards.add(task)
-            engine = torch.autograd.Variable._execution_engine
-            engine.queue_callback(lambda: alive.scaled_backwards.discard(task))
+            loss.starting = False
+            loss.task = torch._C._current_graph_task_id()
+            alive.scaled_backwards[loss.task] = threading.get_ident()
 
-        node.register_prehook(starts)
+        # No closure refers to the node: a cycle through the node's C++ hooks would never be freed.
+        edge.node.register_prehook(starts)
+
+        def backward(
+            gradient: torch.Tensor | None = None,
+            retain_graph: bool | None = None,
+            create_graph: bool = False,
+            inputs: Any = None,
+        ) -> None:
+            """`torch.Tensor.backward`, counted by the `GradientBuffer` that scaled this loss."""
+            loss.starting = True
+            try:
+                # What torch.Tensor.backward runs, from the tensor's edge: the same root and gradient.
+                torch.autograd.backward(edge, gradient, retain_graph, create_graph, inputs=inputs)
+            finally:  # also when the backward raised midway: no scaled mark stays behind
+                loss.starting = False
+                alive = flag()
+                if alive is not None and loss.task is not None:
+                    alive.scaled_backwards.pop(loss.task, None)
+                loss.task = None
+
+        # An attribute of this tensor only: a backward started at any other tensor is not marked.
+        scaled.__dict__["backward"] = backward
 
     def restart(self) -> None:
-        """Forgets the accumulations so far (after `zero_()` or an unscale), and any backward that raised midway."""
+        """Forgets the accumulations so far (after `zero_()` or an unscale)."""
         self.unscaled_param = None
-        self.scaled_backwards.clear()  # no backward runs now: a task left here raised before its callback
 
 
 def _remove_hooks(hooks: list[Any]) -> None:
@@ -199,7 +253,8 @@ class GradientBuffer:
         grads = fmp.interop.GradientBuffer.attach(model.parameters())
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         for x, y in data:
-            grads.scale(loss_fn(model(x), y), scaler).backward()  # then loss.backward() is refused
+            # not scaler.scale(loss).backward(): unscale_ refuses gradients of a loss the buffer did not scale
+            grads.scale(loss_fn(model(x), y), scaler).backward()
             grads_finite, scaler = grads.unscale_(scaler)
             grads.step(optimizer, grads_finite)  # skipped on the device when not finite
             grads.zero_()
@@ -327,13 +382,24 @@ class GradientBuffer:
         return self._buffers
 
     def scale(self, loss: torch.Tensor, scaler: LossScale) -> torch.Tensor:
-        """`scaler.scale(loss)`, whose backward the buffer recognizes: it then refuses gradients of any other.
+        """`scaler.scale(loss)`, whose backward the buffer recognizes: the only backward `unscale_` accepts.
 
-        From the first call on, `unscale_` and `unscale_and_clip_` raise if a backward that did not
-        start at a loss this method returned (`loss.backward()`, the classic slip) accumulated into
-        the gradients since the last `zero_()` or unscale: its gradients are not scaled, and
-        unscaling them would shrink the step by the loss scale, silently. A buffer never asked to
-        scale cannot tell (`scaler.scale` is pure) and accepts every backward.
+        `unscale_` and `unscale_and_clip_` raise if a backward that did not start at a loss this
+        method returned accumulated into the gradients since the last `zero_()` or unscale:
+        `loss.backward()`, the classic slip, whose gradients are not scaled and would be unscaled
+        into a step the loss scale times too small, silently. `scaler.scale(loss).backward()` is
+        refused too: `scaler.scale` is a pure function, so the buffer cannot see its result and
+        cannot tell that backward from `loss.backward()`. With an `fmp.NoOpLossScale` nothing is
+        scaled, and a plain `loss.backward()` is accepted.
+
+        Only `.backward()` called on the returned tensor itself counts (the method is the tensor's
+        own, set here): a backward that starts anywhere else is refused even where its graph holds
+        the scaled loss, as in `(scaled + other_loss).backward()`, whose `other_loss` gradients are
+        not scaled. So are `(scaled / n).backward()`, `torch.autograd.backward(scaled)` and a
+        backward of several scaled losses at once: scale the loss you differentiate
+        (`grads.scale(loss / n, scaler)`, `grads.scale(loss_a + loss_b, scaler)`). A backward that
+        raised midway leaves no mark behind, and one nested in a scaled backward, on its thread (a
+        reentrant checkpoint's), counts as scaled.
 
         Args:
             loss: The loss (or any tensor to call `backward` on), with autograd history.
@@ -343,7 +409,8 @@ class GradientBuffer:
             The scaled loss, as `scaler.scale(loss)`: call `.backward()` on it.
 
         Raises:
-            TypeError: If `loss` is not a tensor, or `scaler` not an fmp loss-scale state.
+            TypeError: If `loss` is not a tensor, or is a tensor subclass, or `scaler` is not an
+                fmp loss-scale state.
             ValueError: If `loss` has no autograd history (made under `torch.no_grad()`, or from
                 tensors that do not require grad), so that its backward would write no gradient.
         """
@@ -356,8 +423,13 @@ class GradientBuffer:
                 "loss has no autograd history (computed under torch.no_grad(), or from tensors that do not "
                 "require grad), so its backward would write no gradient; compute it with grad enabled"
             )
-        self._accumulation.watch(scaled.grad_fn)
-        self._accumulation.scales_losses = True
+        if type(scaled) is not torch.Tensor:
+            raise TypeError(
+                f"loss is a {type(scaled).__name__}: the buffer marks the backward of plain tensors only, "
+                "as it holds plain tensors' gradients only"
+            )
+        if scaled is not loss:  # nothing to mark where nothing was scaled (NoOpLossScale)
+            self._accumulation.watch(scaled)
         return scaled
 
     def zero_(self) -> None:
@@ -391,12 +463,15 @@ class GradientBuffer:
                 nor `zero_()` has renewed the gradients since the last `unscale_` or
                 `unscale_and_clip_` (they would be unscaled twice; an in-place edit such as
                 `clip_grad_norm_` renews nothing, and gradients written by hand need a `zero_()`
-                first); or, once `scale` has scaled a loss, if a backward that did not start at a
-                loss `scale` returned accumulated into them since then (their values unscaled).
+                first); or, unless `scaler` is an `fmp.NoOpLossScale`, if a backward that did not
+                start with `.backward()` on a loss `scale` returned (`loss.backward()`,
+                `scaler.scale(loss).backward()`, which the buffer cannot see, or
+                `(scaled + loss).backward()`) accumulated into them since the last `zero_()` or
+                unscale: their values are not scaled.
             TypeError, ValueError: As `fmp.unscale_and_adjust`, for a wrong scaler or one on
                 another device than the gradients.
         """
-        buffers = self._unscalable_buffers()
+        buffers = self._unscalable_buffers(scaler)
         unscale = compiled_unscale_and_adjust if self._compiled else unscale_and_adjust
         unscaled, grads_finite, _, new_scaler = unscale(scaler, buffers, donate=True)
         self._write_back(buffers, unscaled)
@@ -423,14 +498,14 @@ class GradientBuffer:
             RuntimeError, TypeError, ValueError: As `unscale_`, or if `max_norm` is not a positive
                 real number.
         """
-        buffers = self._unscalable_buffers()
+        buffers = self._unscalable_buffers(scaler)
         unscale = compiled_unscale_and_adjust if self._compiled else unscale_and_adjust
         clipped, grads_finite, grad_norm, new_scaler = unscale(scaler, buffers, max_norm=max_norm, donate=True)
         self._write_back(buffers, clipped)
         assert grad_norm is not None  # for mypy: max_norm was given
         return grads_finite, grad_norm, new_scaler
 
-    def _unscalable_buffers(self) -> tuple[torch.Tensor, ...]:
+    def _unscalable_buffers(self, scaler: LossScale) -> tuple[torch.Tensor, ...]:
         buffers = self.flat()
         if not self._accumulation.since_unscale:
             raise RuntimeError(
@@ -439,15 +514,19 @@ class GradientBuffer:
                 "as neither), so they would be unscaled twice; zero_() and run a backward (or write new "
                 "gradients) first"
             )
-        accumulation = self._accumulation
-        if accumulation.scales_losses and accumulation.unscaled_param is not None:
-            index = accumulation.unscaled_param
+        index = self._accumulation.unscaled_param
+        # With no scaling (NoOpLossScale) a plain backward's gradients are the right ones.
+        if index is not None and not isinstance(scaler, NoOpLossScale):
+            check_scaler(scaler)  # a wrong scaler is named as such, not as an unscaled backward
             where = _describe(index, self._params[index], self._names[index])
             raise RuntimeError(
                 f"{where} received a gradient from a backward that did not start at a loss this buffer scaled: "
                 "loss.backward() where grads.scale(loss, scaler).backward() belongs. Unscaling would divide that "
                 "gradient by the loss scale and make the step that many times too small; zero_() the buffer and "
-                "run the backward of grads.scale(loss, scaler)"
+                "run the backward of grads.scale(loss, scaler) (scaler.scale(loss).backward() is refused too: "
+                "scale is pure, so the buffer cannot see that loss). Only .backward() on the very tensor "
+                "grads.scale returned counts, not the backward of a tensor computed from it ((scaled + loss), "
+                "scaled / n) nor torch.autograd.backward(scaled): scale the loss you differentiate"
             )
         return buffers
 

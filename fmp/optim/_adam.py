@@ -17,7 +17,7 @@ from fmp._struct import serializable_namedtuple
 from fmp._tree import takes_foreach
 from fmp.optim._base import LearningRate
 from fmp.optim._base import check_lr
-from fmp.optim._base import check_params
+from fmp.optim._base import check_optimizable_params
 from fmp.optim._base import check_schedule_start
 from fmp.optim._base import check_state
 from fmp.optim._base import leaves_like_params
@@ -102,7 +102,7 @@ def _adam(
     weight_decay = check_real("weight_decay", weight_decay, 0.0, math.inf)
 
     def init(params: Any) -> AdamState:
-        check_params(name, params)
+        check_optimizable_params(name, params)
         _check_eps_in_param_dtypes(name, eps, params, pytree.tree_leaves(params))
         step = step_counter(params)
         check_schedule_start(lr, step, name)

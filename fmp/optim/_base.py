@@ -46,7 +46,7 @@ def check_state(name: str, state: Any, expected: type) -> None:
         )
 
 
-def check_params(name: str, params: Any) -> None:
+def check_optimizable_params(name: str, params: Any) -> None:
     """Raises a TypeError naming the first leaf of `params` that is not a floating-point or complex tensor.
 
     An optimizer's arithmetic would otherwise fail deep inside torch (`None`, an integer tensor's
@@ -88,7 +88,7 @@ def leaves_like_params(
     """
     param_leaves, param_spec = pytree.tree_flatten(params)
     if not all(isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()) for x in param_leaves):
-        check_params(name, params)  # names the leaf (a path flatten only for the message)
+        check_optimizable_params(name, params)  # names the leaf (a path flatten only for the message)
     all_leaves, own_specs = [], []
     for what, tree in trees.items():
         hint = "; was the optimizer state created for other params?" if what.startswith("opt_state") else ""

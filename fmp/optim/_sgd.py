@@ -15,7 +15,7 @@ from fmp._optimizer import Optimizer
 from fmp._struct import serializable_namedtuple
 from fmp.optim._base import LearningRate
 from fmp.optim._base import check_lr
-from fmp.optim._base import check_params
+from fmp.optim._base import check_optimizable_params
 from fmp.optim._base import check_schedule_start
 from fmp.optim._base import check_state
 from fmp.optim._base import leaves_like_params
@@ -151,7 +151,7 @@ def sgd(
     name = "sgd with momentum" if momentum else "sgd with an lr schedule"
 
     def init(params: Any) -> SgdState:
-        check_params(name, params)
+        check_optimizable_params(name, params)
         step = step_counter(params)
         check_schedule_start(lr, step, name)
         return SgdState(step, tree_zeros_like(params) if momentum else ())

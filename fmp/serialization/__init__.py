@@ -4,8 +4,14 @@
 with a header and a sha256 checksum; `load(path, target)` reads it with
 `torch.load(weights_only=True)`, refuses a truncated or corrupt file, a state that does not fit
 `target` (naming the first differing leaf) and loss scales or counters out of range, and puts the
-leaves on `target`'s devices. `save_sharded` and `load_sharded` do the same for states of DTensors
-(FSDP2) through `torch.distributed.checkpoint`, resharding to the target's world size.
+leaves on `target`'s devices. `save_sharded` and `load_sharded` save and restore states of
+DTensors (FSDP2) through `torch.distributed.checkpoint`, resharding to the target's world size;
+they check the structure, that every shard can be read, the loss scales' and counters' ranges and
+a sha256 of each plain (replicated) leaf, but not the values of DTensor shards: a damaged shard
+can load as wrong values.
+
+Files name fmp's classes by their public names (`fmp.TrainState`); the names earlier fmp versions
+wrote load as today's classes (`fmp._struct.LEGACY_NAMES`).
 
 Plain `torch.save(state, path)` and `torch.load(path, weights_only=True)` also work: fmp's state
 classes are allowed when fmp is imported, and `state_classes` lists them for a loader with an

@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 
 from fmp.serialization._header import CheckpointError
 from fmp.serialization._header import check_format
+from fmp.serialization._header import current_treespec
 from fmp.serialization._header import leaf_entries
 from fmp.serialization._header import make_header
 from fmp.serialization._structure import first_difference
@@ -33,15 +34,18 @@ _PARTIAL = ".partial"
 def _checksum(header: dict[str, Any], leaves: list[torch.Tensor]) -> str:
     digest = hashlib.sha256(json.dumps(header, sort_keys=True).encode())
     for leaf in leaves:
-        # Bytes of any dtype (bfloat16 has no numpy twin) through a uint8 view of a flat copy.
-        digest.update(leaf.reshape(-1).view(torch.uint8).numpy().data)
+        # Bytes of any dtype (bfloat16 has no numpy twin) through a uint8 view of a flat copy; the
+        # values a conjugate or negative bit stands for, not the bytes beneath it.
+        flat = leaf.resolve_conj().resolve_neg().reshape(-1)
+        digest.update(flat.view(torch.uint8).numpy().data)
     return digest.hexdigest()
 
 
 def _host_copy(leaf: torch.Tensor, where: str) -> torch.Tensor:
     if leaf.is_meta:
         raise ValueError(f"{where} is on the meta device, which holds no values to save; save a materialized state")
-    leaf = leaf.detach().to("cpu").contiguous()
+    # resolve_conj/resolve_neg: a lazily conjugated complex leaf (`x.conj()`) has no uint8 view.
+    leaf = leaf.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
     # torch.save writes a view's whole storage: copy a slice out so the file holds only the state.
     if leaf.untyped_storage().nbytes() != leaf.numel() * leaf.element_size():
         leaf = leaf.clone()
@@ -69,14 +73,39 @@ def _remove_stale_partials(path: Path) -> None:
             pass
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where the system tells (Linux), else set and restored."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _final_mode(path: Path) -> int:
+    """The permissions `path` keeps if it exists, else those `open(path, "w")` gives (0o666 less the umask)."""
+    try:
+        return os.stat(path).st_mode & 0o7777
+    except FileNotFoundError:
+        return 0o666 & ~_umask()
+
+
 def atomic_write(path: Path, write: Any) -> None:
     """Calls `write(file)` on a partial file beside `path`, then moves it onto `path` durably.
 
     The partial file (`.NAME.HOST.PID.XXXX.partial`) is flushed and fsynced before `os.replace`, and
-    the directory after it, so a crash leaves either the old file or the new one at `path`.
+    the directory after it, so a crash leaves either the old file or the new one at `path`. The file
+    gets the mode `torch.save` would give it (0o666 less the umask), or keeps the mode of the file
+    it replaces; the partial file stays private (0o600) until it is whole.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(path)
+    mode = _final_mode(path)
     descriptor, partial = tempfile.mkstemp(
         prefix=f"{_partial_prefix(path)}{os.getpid()}.", suffix=_PARTIAL, dir=path.parent
     )
@@ -84,6 +113,10 @@ def atomic_write(path: Path, write: Any) -> None:
         with os.fdopen(descriptor, "wb") as file:
             write(file)
             file.flush()
+            if hasattr(os, "fchmod"):
+                os.fchmod(file.fileno(), mode)
+            else:  # pragma: no cover - Windows
+                os.chmod(partial, mode)
             os.fsync(file.fileno())
         os.replace(partial, path)
     except BaseException:
@@ -152,24 +185,40 @@ def _read(path: Path) -> Any:
     )
 
 
+def _corrupt(path: Path, cause: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {path} is truncated or corrupt ({cause}); load an earlier checkpoint, or save the state again"
+    )
+
+
 def _unwrap(checkpoint: Any, path: Path) -> Any:
     """The state in a checkpoint read from `path`, once its header and checksum agree with it."""
     check_format(checkpoint, str(path))
+    try:
+        return _verified_state(checkpoint, path)
+    except CheckpointError:
+        raise
+    except Exception as error:  # damage that unpickled: a changed stride, field name or dtype fails anywhere here
+        raise _corrupt(path, f"{type(error).__name__}: {_first_sentence(str(error))}") from None
+
+
+def _verified_state(checkpoint: dict[str, Any], path: Path) -> Any:
     state = checkpoint.get("state")
     try:
         entries, spec = leaf_entries(state, allow_dtensor=False)
     except TypeError as error:
-        raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({error})") from None
+        raise _corrupt(path, str(error)) from None
     leaves = [leaf.contiguous() for _, leaf in entries]
     header = make_header(entries, spec)
-    # The versions describe the writer, not the content; the rest must be what was written.
-    mismatch = [key for key in ("format", "version", "treespec", "leaves") if checkpoint.get(key) != header[key]]
-    header = {**header, **{key: checkpoint.get(key) for key in ("fmp_version", "torch_version")}}
+    # The versions describe the writer, not the content; the rest must be what was written. Class
+    # names an earlier fmp wrote into the treespec (fmp._state.TrainState) count as today's.
+    mismatch = [key for key in ("format", "version", "leaves") if checkpoint.get(key) != header[key]]
+    if current_treespec(checkpoint.get("treespec")) != current_treespec(header["treespec"]):
+        mismatch.append("treespec")
+    header = {**header, **{key: checkpoint.get(key) for key in ("fmp_version", "torch_version", "treespec")}}
     if mismatch or checkpoint.get("sha256") != _checksum(header, leaves):
         what = f"its header's {mismatch} disagree with its state" if mismatch else "the sha256 checksum does not match"
-        raise CheckpointError(
-            f"checkpoint {path} is truncated or corrupt ({what}); load an earlier checkpoint, or save the state again"
-        )
+        raise _corrupt(path, what)
     return state
 
 
@@ -188,6 +237,14 @@ def load(path: str | os.PathLike[str], target: State, *, device: torch.device | 
     `target` gives the structure, shapes, dtypes and devices the state must have: build it as the
     run that saved it did (`TrainState.create`), or abstractly on the meta device, to restore
     without allocating twice. The file is read with `torch.load(weights_only=True)`.
+
+    The loaded leaves are plain tensors: only the structure, shapes, dtypes and devices come from
+    `target`, not its leaves' types or flags. An `nn.Parameter` in `target` comes back a plain
+    tensor, and `requires_grad` is False; wrap or flag them again where a loop needs it.
+
+    Files of earlier fmp versions load as today's classes (`fmp._struct.LEGACY_NAMES`). A file
+    written by plain `torch.save(state, path)` is refused, as not an fmp checkpoint: read it with
+    `torch.load(path, weights_only=True)`, which rebuilds fmp's classes (earlier names included).
 
     Note: syncs with the host: reads the file, verifies its checksum, and validates every loss
     scale (`check_scaler_values`) and counter before the tensors move to their devices.
@@ -209,7 +266,7 @@ def load(path: str | os.PathLike[str], target: State, *, device: torch.device | 
             field or counter out of range.
     """
     path = Path(path)
-    state = _unwrap(_read(path), path)
+    state = _unwrap(_read(path), path)  # from here on, the state is the one that was saved
     problem = first_difference(state, target)
     if problem is not None:
         raise ValueError(f"checkpoint {path} does not fit the target: {problem}")

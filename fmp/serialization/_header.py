@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["FORMAT", "VERSION", "CheckpointError", "check_format", "leaf_entries", "make_header", "spec_text"]
+from fmp._struct import current_name
+
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "CheckpointError",
+    "check_format",
+    "current_treespec",
+    "leaf_entries",
+    "make_header",
+    "spec_text",
+]
 
 FORMAT = "fmp.serialization"
 VERSION = 1
@@ -59,6 +71,33 @@ def spec_text(spec: pytree.TreeSpec) -> str:
         return pytree.treespec_dumps(spec)
     except (NotImplementedError, TypeError, ValueError):
         return repr(spec)
+
+
+def _rename(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_rename(child) for child in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: _rename(value) for key, value in node.items()}
+    if isinstance(node.get("type"), str):
+        node["type"] = current_name(node["type"])
+    if node.get("type") == "collections.namedtuple" and isinstance(node.get("context"), str):
+        node["context"] = current_name(node["context"])
+    return node
+
+
+def current_treespec(text: Any) -> Any:
+    """A treespec as `spec_text` wrote it, with the class names earlier fmp versions wrote made current.
+
+    Names in `fmp._struct.LEGACY_NAMES` (such as `fmp._state.TrainState`) become today's
+    (`fmp.TrainState`); text that is not a JSON treespec comes back as it is.
+    """
+    if not isinstance(text, str):
+        return text
+    try:
+        return json.dumps(_rename(json.loads(text)))
+    except (json.JSONDecodeError, RecursionError):
+        return text
 
 
 def make_header(entries: list[tuple[str, torch.Tensor]], spec: pytree.TreeSpec) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import warnings
@@ -18,6 +19,7 @@ import torch.utils._pytree as pytree
 from fmp.serialization._file import atomic_write
 from fmp.serialization._header import CheckpointError
 from fmp.serialization._header import check_format
+from fmp.serialization._header import current_treespec
 from fmp.serialization._header import leaf_entries
 from fmp.serialization._header import make_header
 from fmp.serialization._structure import first_difference
@@ -29,6 +31,18 @@ State = TypeVar("State")
 
 HEADER_FILE = "fmp_checkpoint.json"
 """The file in a sharded checkpoint's directory that holds its header; written last, when the save is whole."""
+
+_REPLICATED_SHA256 = "replicated_sha256"
+
+
+def _is_dtensor(leaf: torch.Tensor) -> bool:
+    return type(leaf).__name__ == "DTensor"
+
+
+def _digest(leaf: torch.Tensor) -> str:
+    """The sha256 of a plain tensor's values (its bytes, row-major), on the host."""
+    flat = leaf.detach().to("cpu").resolve_conj().resolve_neg().contiguous().reshape(-1)
+    return hashlib.sha256(flat.view(torch.uint8).numpy().data).hexdigest()
 
 
 def _distributed() -> bool:
@@ -49,9 +63,10 @@ def save_sharded(state: Any, directory: str | os.PathLike[str], *, group: dist.P
     Every rank of `group` calls it with its own shards; `torch.distributed.checkpoint` writes each
     shard once and a replicated tensor (plain tensors: the loss scale, the counters) once in all.
     The group's rank 0 removes the header file (`fmp_checkpoint.json`: format, structure, global
-    shapes and dtypes) first and writes it last, so a directory without it holds no finished
-    save. Save each checkpoint to a fresh directory: one save over another that dies midway leaves
-    neither whole. Without an initialized process group, one process writes the whole state.
+    shapes and dtypes, and a sha256 of each plain, replicated leaf) first and writes it last, so
+    a directory without it holds no finished save. Save each checkpoint to a fresh directory: one
+    save over another that dies midway leaves neither whole. Without an initialized process group,
+    one process writes the whole state.
 
     Note: syncs with the host and across the group (collectives and file writes).
 
@@ -84,6 +99,9 @@ def save_sharded(state: Any, directory: str | os.PathLike[str], *, group: dist.P
     with _single_process_intended():
         save(dict(entries), checkpoint_id=directory, process_group=group, no_dist=not distributed)
     if writes_header:
+        # Plain leaves are replicated (a loss scale, the counters; every leaf in one process): cheap
+        # to check on load. DTensor shards are not checksummed: see load_sharded.
+        header[_REPLICATED_SHA256] = {key: _digest(leaf) for key, leaf in entries if not _is_dtensor(leaf)}
         atomic_write(directory / HEADER_FILE, lambda file: file.write(json.dumps(header, indent=1).encode()))
     if distributed:  # no rank returns (and perhaps loads) before the header is there
         dist.barrier(group)
@@ -109,7 +127,8 @@ def _skeleton(header: Any, directory: Path) -> Any:
         leaves = [
             torch.empty(shape, dtype=getattr(torch, dtype), device="meta") for _, shape, dtype in header["leaves"]
         ]
-        return pytree.treespec_loads(header["treespec"]).unflatten(leaves)
+        # Class names an earlier fmp wrote (fmp._state.TrainState) read as today's.
+        return pytree.treespec_loads(current_treespec(header["treespec"])).unflatten(leaves)
     except (KeyError, TypeError, ValueError, AttributeError, NotImplementedError) as error:
         raise CheckpointError(
             f"checkpoint {directory} is truncated or corrupt ({HEADER_FILE}: {type(error).__name__}: {error}); "
@@ -121,7 +140,7 @@ def _buffer(leaf: torch.Tensor, where: str, device: torch.device | str | None) -
     """A fresh tensor for the loaded value, sharded as `leaf` is: the target itself is never written."""
     if not leaf.is_meta:
         return torch.empty_like(leaf)
-    if type(leaf).__name__ == "DTensor":
+    if _is_dtensor(leaf):
         raise ValueError(
             f"target{where} is a DTensor on the meta device, whose shards have nowhere to go: materialize the "
             f"sharded target first (e.g. module.to_empty(device=...) before taking its params)"
@@ -143,6 +162,13 @@ def load_sharded(
     whole value. A plain leaf on the meta device gets the value on `device`. `target` is not
     modified: the values go to fresh tensors.
 
+    What is checked: the header (format, structure, global shapes and dtypes) against `target`;
+    that torch.distributed.checkpoint finds every shard it needs and can read it; every loss
+    scale and counter's range; and, for checkpoints that record it, the sha256 of each leaf that
+    was saved as a plain (replicated) tensor and is loaded into a plain one. What is not: the
+    values of DTensor shards. Unlike `load`'s file, a flipped bit in a shard's data is not
+    detected, and loads as a wrong value.
+
     Note: syncs with the host and across the group; validates every loss scale and counter.
 
     Args:
@@ -156,11 +182,14 @@ def load_sharded(
 
     Raises:
         CheckpointError: If the directory holds no finished save, or its header is corrupt or of a
-            newer format, or torch.distributed.checkpoint cannot read the data.
+            newer format, or torch.distributed.checkpoint cannot read the data (its
+            `CheckpointException`, a `BaseException`, included), or a replicated leaf's sha256
+            does not match.
         ValueError: Naming the first leaf or node where `target` differs from the checkpoint, a
             meta DTensor in `target`, or the first loss-scale field or counter out of range.
     """
     # About a second to import: only when loading shards.
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import load
 
     directory = Path(directory)
@@ -173,14 +202,35 @@ def load_sharded(
     try:
         with _single_process_intended():
             load(dict(buffers), checkpoint_id=directory, process_group=group, no_dist=not _distributed())
-    except Exception as error:  # DCP's errors (a missing or short shard file) name what it could not read
+    # DCP's errors (a missing or short shard file) name what it could not read. Its CheckpointException
+    # derives from BaseException, not Exception: name it, or it escapes `except Exception`.
+    except (Exception, CheckpointException) as error:
         raise CheckpointError(
-            f"checkpoint {directory} is truncated or corrupt ({type(error).__name__}: {error}); load an earlier "
-            f"checkpoint"
+            f"checkpoint {directory} is truncated or corrupt ({type(error).__name__}: {_first_line(error)}); load an "
+            f"earlier checkpoint"
         ) from None
+    _check_replicated(header, buffers, directory)
     state = spec.unflatten(list(buffers.values()))
     try:
         check_values(state)
     except ValueError as error:
         raise ValueError(f"checkpoint {directory}: {error}") from None
     return state  # type: ignore[no-any-return]
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else "no message"
+
+
+def _check_replicated(header: dict[str, Any], buffers: dict[str, torch.Tensor], directory: Path) -> None:
+    """Raises unless each plain leaf loaded whole has the sha256 the header recorded for it (if any)."""
+    recorded = header.get(_REPLICATED_SHA256)
+    if not isinstance(recorded, dict):  # written before fmp recorded them
+        return
+    for key, buffer in buffers.items():
+        if key in recorded and not _is_dtensor(buffer) and _digest(buffer) != recorded[key]:
+            raise CheckpointError(
+                f"checkpoint {directory} is truncated or corrupt (the sha256 of state{key} does not match); load an "
+                f"earlier checkpoint"
+            )
