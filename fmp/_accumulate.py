@@ -12,7 +12,8 @@ from typing import Any
 from typing import NamedTuple
 
 import torch
-import torch.utils._pytree as pytree
+import torch.utils._cxx_pytree as pytree
+import torch.utils._pytree as py_pytree
 
 from fmp._checks import check_int
 from fmp._grad import ScalerTree
@@ -114,16 +115,16 @@ class GradientAccumulator:
             ) from None
         for index, (total, grad) in enumerate(zip(sum_leaves, grad_leaves, strict=True)):
             if not (isinstance(grad, torch.Tensor) and grad.shape == total.shape):
-                path = pytree.tree_flatten_with_path(self.grads)[0][index][0]
+                path = py_pytree.tree_flatten_with_path(self.grads)[0][index][0]
                 found = f"shape {tuple(grad.shape)}" if isinstance(grad, torch.Tensor) else f"a {type(grad).__name__}"
                 raise ValueError(
-                    f"GradientAccumulator.add: grads{pytree.keystr(path)} is {found}, but its sum has shape "
+                    f"GradientAccumulator.add: grads{py_pytree.keystr(path)} is {found}, but its sum has shape "
                     f"{tuple(total.shape)}: was the accumulator made for other params?"
                 )
             if grad.device != total.device:
-                path = pytree.tree_flatten_with_path(self.grads)[0][index][0]
+                path = py_pytree.tree_flatten_with_path(self.grads)[0][index][0]
                 raise ValueError(
-                    f"GradientAccumulator.add: grads{pytree.keystr(path)} is on {grad.device}, but its sum is on "
+                    f"GradientAccumulator.add: grads{py_pytree.keystr(path)} is on {grad.device}, but its sum is on "
                     f"{total.device}: move the accumulator with the params"
                 )
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
+import torch.utils._cxx_pytree as pytree
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from fmp._tree import functorch_base

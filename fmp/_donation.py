@@ -14,7 +14,8 @@ from typing import TypeVar
 from typing import cast
 
 import torch
-import torch.utils._pytree as pytree
+import torch.utils._cxx_pytree as pytree
+import torch.utils._pytree as py_pytree
 
 from fmp._tree import selectable_pairs
 
@@ -31,10 +32,10 @@ def check_distinct(donated: Any, name: str) -> None:
     identity and recompile for every new set of tensors.
     """
     groups: dict[tuple[Any, ...], list[tuple[str, torch.Tensor]]] = {}
-    for path, leaf in pytree.tree_flatten_with_path(donated)[0]:
+    for path, leaf in py_pytree.tree_flatten_with_path(donated)[0]:
         if not isinstance(leaf, torch.Tensor):
             continue
-        where = f"{name}{pytree.keystr(path)}"
+        where = f"{name}{py_pytree.keystr(path)}"
         group = groups.setdefault((tuple(leaf.shape), leaf.dtype, leaf.device), [])
         for other_where, other in group:
             if other is leaf:

@@ -15,7 +15,8 @@ from typing import NamedTuple
 from typing import cast
 
 import torch
-import torch.utils._pytree as pytree
+import torch.utils._cxx_pytree as pytree
+import torch.utils._pytree as py_pytree
 
 from fmp._backward import check_reads_no_module_parameters
 from fmp._backward import grad_and_aux
@@ -130,8 +131,8 @@ def _checked_leaves(params: Any, policy: Policy | None) -> torch.device | None:
                 )
         if problem is not None:
             # Key paths only for the message: flattening with them costs several times a plain flatten.
-            path = pytree.tree_flatten_with_path(params)[0][index][0]
-            raise TypeError(f"params{pytree.keystr(path)} {problem}")
+            path = py_pytree.tree_flatten_with_path(params)[0][index][0]
+            raise TypeError(f"params{py_pytree.keystr(path)} {problem}")
     return tree_accelerator_device(leaves)
 
 
@@ -206,9 +207,9 @@ def _warn_unless_depends_on_params(loss: torch.Tensor, which: str, params: Any, 
 def _check_aux(aux: Any) -> None:
     if all(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(aux)):
         return
-    for path, leaf in pytree.tree_flatten_with_path(aux)[0]:  # paths only for the message
+    for path, leaf in py_pytree.tree_flatten_with_path(aux)[0]:  # paths only for the message
         if not isinstance(leaf, torch.Tensor):
-            raise TypeError(f"aux{pytree.keystr(path)} is a {type(leaf).__name__}; aux must be a pytree of tensors")
+            raise TypeError(f"aux{py_pytree.keystr(path)} is a {type(leaf).__name__}; aux must be a pytree of tensors")
 
 
 def _tree_sum(trees: list[Any]) -> Any:

@@ -16,7 +16,8 @@ from typing import TypeVar
 from typing import cast
 
 import torch
-import torch.utils._pytree as pytree
+import torch.utils._cxx_pytree as pytree
+import torch.utils._pytree as py_pytree
 
 from fmp._checks import check_int
 from fmp._checks import check_real
@@ -435,7 +436,7 @@ def check_scaler(scaler: Any) -> None:
     if all(isinstance(leaf, torch.Tensor) and leaf.dim() == 0 for leaf in pytree.tree_leaves(scaler)):
         return
     name = type(scaler).__name__
-    for path, leaf in pytree.tree_flatten_with_path(scaler)[0]:  # paths only for the message
+    for path, leaf in py_pytree.tree_flatten_with_path(scaler)[0]:  # paths only for the message
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(
                 f"{name} holds a {type(leaf).__name__} where a tensor belongs; build it with {name}.create(...), "
@@ -443,7 +444,7 @@ def check_scaler(scaler: Any) -> None:
             )
         if leaf.dim() != 0:  # 0-dim per member under vmap; a stacked state outside it would broadcast
             raise ValueError(
-                f"{name}{pytree.keystr(path)} has shape {tuple(leaf.shape)}, but a loss-scale state holds 0-dim "
+                f"{name}{py_pytree.keystr(path)} has shape {tuple(leaf.shape)}, but a loss-scale state holds 0-dim "
                 f"tensors: run a stacked state (fmp.stack_trees) under torch.func.vmap, or take one member "
                 f"with fmp.unstack_tree"
             )

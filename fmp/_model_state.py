@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
+import torch.utils._cxx_pytree as pytree
+import torch.utils._pytree as py_pytree
 
 __all__ = ["has_model_state", "returning_model_state", "settle_model_state"]
 
@@ -64,7 +65,7 @@ def _check_like(new_model_state: Any, model_state: Any) -> None:
         if isinstance(new, torch.Tensor) and new.shape == old.shape:
             continue
         # Key paths only for the message: flattening with them costs several times a plain flatten.
-        where = f"new_model_state{pytree.keystr(pytree.tree_flatten_with_path(model_state)[0][index][0])}"
+        where = f"new_model_state{py_pytree.keystr(py_pytree.tree_flatten_with_path(model_state)[0][index][0])}"
         if not isinstance(new, torch.Tensor):
             raise TypeError(f"{where} is a {type(new).__name__}, where state.model_state holds a tensor")
         raise ValueError(f"{where} has shape {tuple(new.shape)}, where state.model_state's is {tuple(old.shape)}")

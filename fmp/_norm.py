@@ -7,7 +7,7 @@ from typing import TypeVar
 from typing import cast
 
 import torch
-import torch.utils._pytree as pytree
+import torch.utils._cxx_pytree as pytree
 
 from fmp._donation import writable
 from fmp._tree import check_no_opaque_leaves

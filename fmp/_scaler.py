@@ -24,7 +24,7 @@ from typing import TypeVar
 from typing import cast
 
 import torch
-import torch.utils._pytree as pytree
+import torch.utils._cxx_pytree as pytree
 
 from fmp._checks import check_bool
 from fmp._checks import check_real

@@ -6,7 +6,8 @@ from typing import Any
 from typing import NamedTuple
 
 import torch
-import torch.utils._pytree as pytree
+import torch.utils._cxx_pytree as pytree
+import torch.utils._pytree as py_pytree
 
 from fmp._accumulate import GradientAccumulator
 from fmp._checks import check_int
@@ -201,8 +202,8 @@ def check_model_state(model_state: Any) -> None:
     if all(type(x) is torch.Tensor and not x.requires_grad for x in leaves):
         return
     # Key paths only for the message: flattening with them costs several times a plain flatten.
-    for path, leaf in pytree.tree_flatten_with_path(model_state)[0]:
-        where = f"model_state{pytree.keystr(path)}"
+    for path, leaf in py_pytree.tree_flatten_with_path(model_state)[0]:
+        where = f"model_state{py_pytree.keystr(path)}"
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"{where} is a {type(leaf).__name__}; every leaf of model_state must be a tensor")
         if leaf.requires_grad and not torch._C._functorch.is_functorch_wrapped_tensor(leaf):

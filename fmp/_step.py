@@ -16,7 +16,7 @@ from typing import TypeVar
 from typing import cast
 
 import torch
-import torch.utils._pytree as pytree
+import torch.utils._cxx_pytree as pytree
 
 from fmp._accumulate import GradientAccumulator
 from fmp._checks import check_bool

@@ -15,7 +15,8 @@ from typing import TypeVar
 from typing import cast
 
 import torch
-import torch.utils._pytree as pytree
+import torch.utils._cxx_pytree as pytree
+import torch.utils._pytree as py_pytree
 
 __all__ = [
     "all_finite",
@@ -81,7 +82,7 @@ def check_no_opaque_leaves(leaves: list[Any], tree: Any, name: str, *, allow_mod
     for index, leaf in enumerate(leaves):
         # Tensors skip the isinstance against abstract classes: ~2 µs a leaf, 2.4 ms a step of 1,000.
         if not isinstance(leaf, torch.Tensor) and isinstance(leaf, refused):
-            path = pytree.keystr(pytree.tree_flatten_with_path(tree)[0][index][0])
+            path = py_pytree.keystr(py_pytree.tree_flatten_with_path(tree)[0][index][0])
             raise TypeError(
                 f"{name}{path} is a {type(leaf).__name__}, which pytrees keep as one opaque leaf, so the tensors "
                 f"in it would go unseen; pass a list or a dict (e.g. [p.grad for p in model.parameters()] or "
@@ -104,9 +105,9 @@ def check_gradient_leaves(grads: Any, name: str) -> None:
     check_no_opaque_leaves(leaves, grads, name)
     if all(isinstance(leaf, torch.Tensor) or leaf is None for leaf in leaves):
         return
-    for path, leaf in pytree.tree_flatten_with_path(grads)[0]:
+    for path, leaf in py_pytree.tree_flatten_with_path(grads)[0]:
         if not (isinstance(leaf, torch.Tensor) or leaf is None):
-            raise TypeError(f"{name}{pytree.keystr(path)} is a {type(leaf).__name__}; gradients must be tensors")
+            raise TypeError(f"{name}{py_pytree.keystr(path)} is a {type(leaf).__name__}; gradients must be tensors")
 
 
 def check_on_device(tree: Any, device: torch.device | None, name: str, owner: str, hint: str) -> None:
@@ -119,9 +120,11 @@ def check_on_device(tree: Any, device: torch.device | None, name: str, owner: st
         leaf.device == device for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)
     ):
         return  # key paths only for the message: flattening with them costs several times a plain flatten
-    for path, leaf in pytree.tree_flatten_with_path(tree)[0]:
+    for path, leaf in py_pytree.tree_flatten_with_path(tree)[0]:
         if isinstance(leaf, torch.Tensor) and leaf.device != device:
-            raise ValueError(f"{name}{pytree.keystr(path)} is on {leaf.device} but the {owner} are on {device}; {hint}")
+            raise ValueError(
+                f"{name}{py_pytree.keystr(path)} is on {leaf.device} but the {owner} are on {device}; {hint}"
+            )
 
 
 def tree_accelerator_device(tree: Any) -> torch.device | None:
@@ -319,7 +322,7 @@ def selectable_pairs(pred: torch.Tensor, on_true: Any, on_false: Any) -> tuple[p
 
 def _leaf_path(tree: Any, index: int) -> str:
     # Key paths only for messages: flattening with them costs several times a plain flatten.
-    return pytree.keystr(pytree.tree_flatten_with_path(tree)[0][index][0])
+    return py_pytree.keystr(py_pytree.tree_flatten_with_path(tree)[0][index][0])
 
 
 def _check_selectable(a: Any, b: Any, where: Callable[[], str]) -> None:
@@ -358,10 +361,10 @@ def stack_trees(trees: list[Tree]) -> Tree:
         raise TypeError(f"stack_trees takes a list of trees, e.g. [state_0, state_1], got a {type(trees).__name__}")
     if not trees:
         raise ValueError("stack_trees needs at least one tree")
-    first_pairs, spec = pytree.tree_flatten_with_path(trees[0])
+    first_pairs, spec = py_pytree.tree_flatten_with_path(trees[0])
     others = []
     for index, tree in enumerate(trees[1:], start=1):
-        leaves, other_spec = pytree.tree_flatten(tree)
+        leaves, other_spec = py_pytree.tree_flatten(tree)
         if other_spec != spec:
             raise ValueError(
                 f"stack_trees: tree {index} differs in structure from tree 0 (hyperparameters included): "
@@ -370,7 +373,7 @@ def stack_trees(trees: list[Tree]) -> Tree:
         others.append(leaves)
     stacked = []
     for (path, first), *rest in zip(first_pairs, *others, strict=True):
-        where = f"leaf {pytree.keystr(path)}" if path else "the leaf"
+        where = f"leaf {py_pytree.keystr(path)}" if path else "the leaf"
         for index, leaf in enumerate((first, *rest)):
             if not isinstance(leaf, torch.Tensor):
                 raise TypeError(f"stack_trees: {where} of tree {index} is a {type(leaf).__name__}, not a tensor")
@@ -380,7 +383,7 @@ def stack_trees(trees: list[Tree]) -> Tree:
                     f"but {first.dtype}{list(first.shape)} on {first.device} in tree 0; members must match"
                 )
         stacked.append(torch.stack((first, *rest)))
-    return cast(Tree, pytree.tree_unflatten(stacked, spec))
+    return cast(Tree, py_pytree.tree_unflatten(stacked, spec))
 
 
 def unstack_tree(tree: Tree, index: int | torch.Tensor) -> Tree:
@@ -405,7 +408,7 @@ def unstack_tree(tree: Tree, index: int | torch.Tensor) -> Tree:
     sizes = set()
     for position, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
-            key = pytree.keystr(pytree.tree_flatten_with_path(tree)[0][position][0])
+            key = py_pytree.keystr(py_pytree.tree_flatten_with_path(tree)[0][position][0])
             found = "a 0-dim tensor" if isinstance(leaf, torch.Tensor) else f"a {type(leaf).__name__}"
             error = ValueError if isinstance(leaf, torch.Tensor) else TypeError
             raise error(f"unstack_tree: tree{key} is {found}; pass a tree stacked by fmp.stack_trees")

@@ -27,7 +27,7 @@ from typing import TypeVar
 from typing import cast
 
 import torch
-import torch.utils._pytree as pytree
+import torch.utils._cxx_pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from fmp._ambient import AMBIENT

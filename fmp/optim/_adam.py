@@ -8,7 +8,8 @@ from typing import NamedTuple
 from typing import cast
 
 import torch
-import torch.utils._pytree as pytree
+import torch.utils._cxx_pytree as pytree
+import torch.utils._pytree as py_pytree
 
 from fmp._checks import check_real
 from fmp._donation import writes_in_place
@@ -64,7 +65,9 @@ def _check_eps_in_param_dtypes(name: str, eps: float, params: Any, leaves: list[
         info = torch.finfo(dtype)
         if 2 * eps <= info.tiny * info.eps:  # at most half the smallest subnormal: rounds to 0
             key = next(
-                pytree.keystr(path) for path, leaf in pytree.tree_flatten_with_path(params)[0] if leaf.dtype == dtype
+                py_pytree.keystr(path)
+                for path, leaf in py_pytree.tree_flatten_with_path(params)[0]
+                if leaf.dtype == dtype
             )
             raise ValueError(
                 f"{name}: eps={eps} rounds to 0 in {dtype}, params{key}'s dtype, where it is added to the "
@@ -77,7 +80,7 @@ def _check_dense(name: str, grads: Any, grad_leaves: list[Any]) -> None:
     """Raises naming the first sparse gradient: Adam's moments are dense, as torch.optim.Adam's refusal says."""
     for index, grad in enumerate(grad_leaves):
         if isinstance(grad, torch.Tensor) and grad.layout != torch.strided:
-            path = pytree.keystr(pytree.tree_flatten_with_path(grads)[0][index][0])
+            path = py_pytree.keystr(py_pytree.tree_flatten_with_path(grads)[0][index][0])
             raise TypeError(
                 f"{name} does not take sparse gradients, as torch.optim's Adam and AdamW do not: grads{path} is "
                 f"{grad.layout}. Train sparse embeddings with fmp.optim.sgd, or pass sparse=False to nn.Embedding"

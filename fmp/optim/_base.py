@@ -11,7 +11,8 @@ from typing import TypeAlias
 from typing import cast
 
 import torch
-import torch.utils._pytree as pytree
+import torch.utils._cxx_pytree as pytree
+import torch.utils._pytree as py_pytree
 
 from fmp._checks import check_real
 from fmp._tree import tree_accelerator_device
@@ -52,12 +53,12 @@ def check_optimizable_params(name: str, params: Any) -> None:
     An optimizer's arithmetic would otherwise fail deep inside torch (`None`, an integer tensor's
     lerp) or, worse, promote an integer param to float32 and hand it back in another dtype.
     """
-    for path, param in pytree.tree_flatten_with_path(params)[0]:
+    for path, param in py_pytree.tree_flatten_with_path(params)[0]:
         if isinstance(param, torch.Tensor) and (param.is_floating_point() or param.is_complex()):
             continue
         found = f"a {param.dtype} tensor" if isinstance(param, torch.Tensor) else f"a {type(param).__name__}"
         raise TypeError(
-            f"{name}: params{pytree.keystr(path)} is {found}; an optimizer updates floating-point or complex "
+            f"{name}: params{py_pytree.keystr(path)} is {found}; an optimizer updates floating-point or complex "
             f"tensors only (leave integer buffers and None out of params)"
         )
 
@@ -105,16 +106,16 @@ def leaves_like_params(
                 continue
             if not (isinstance(leaf, torch.Tensor) and leaf.shape == param.shape):
                 # Key paths only for the message: flattening with them costs ~10x a plain flatten.
-                key = pytree.keystr(pytree.tree_flatten_with_path(params)[0][index][0])
+                key = py_pytree.keystr(py_pytree.tree_flatten_with_path(params)[0][index][0])
                 found = f"shape {tuple(leaf.shape)}" if isinstance(leaf, torch.Tensor) else f"a {type(leaf).__name__}"
                 raise ValueError(
                     f"{name}: {what}{key} is {found}, but params{key} has shape {tuple(param.shape)}{hint}"
                 )
             if leaf.dtype != param.dtype:  # torch would promote the new params to it, or fail inside an op
-                key = pytree.keystr(pytree.tree_flatten_with_path(params)[0][index][0])
+                key = py_pytree.keystr(py_pytree.tree_flatten_with_path(params)[0][index][0])
                 raise ValueError(f"{name}: {what}{key} is {leaf.dtype}, but params{key} is {param.dtype}{hint}")
             if leaf.device != param.device:  # a state loaded with map_location="cpu", say, the params moved
-                key = pytree.keystr(pytree.tree_flatten_with_path(params)[0][index][0])
+                key = py_pytree.keystr(py_pytree.tree_flatten_with_path(params)[0][index][0])
                 raise ValueError(
                     f"{name}: {what}{key} is on {leaf.device}, but params{key} is on {param.device}; "
                     f"move it with the params"
@@ -135,8 +136,8 @@ def unflatten_as(leaves: list[Any], param_spec: pytree.TreeSpec, spec: pytree.Tr
 
 def _first_difference(params: Any, tree: Any, what: str) -> str:
     """Where `tree`'s structure first departs from that of `params`, in words."""
-    param_keys = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(params)[0]]
-    keys = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(tree)[0]]
+    param_keys = [py_pytree.keystr(path) for path, _ in py_pytree.tree_flatten_with_path(params)[0]]
+    keys = [py_pytree.keystr(path) for path, _ in py_pytree.tree_flatten_with_path(tree)[0]]
     first = next((i for i, pair in enumerate(zip(param_keys, keys, strict=False)) if pair[0] != pair[1]), None)
     if first is not None:
         return f"they differ at params{param_keys[first]} where {what} has {what}{keys[first]}"

@@ -6,7 +6,8 @@ from typing import Any
 from typing import NamedTuple
 
 import torch
-import torch.utils._pytree as pytree
+import torch.utils._cxx_pytree as pytree
+import torch.utils._pytree as py_pytree
 
 from fmp._checks import check_real
 from fmp._optimizer import Optimizer
@@ -77,10 +78,10 @@ def ema(optimizer: Optimizer, decay: float = 0.999) -> Optimizer:
     weight = 1.0 - decay
 
     def init(params: Any) -> EmaState:
-        for path, param in pytree.tree_flatten_with_path(params)[0]:
+        for path, param in py_pytree.tree_flatten_with_path(params)[0]:
             if not (isinstance(param, torch.Tensor) and (param.is_floating_point() or param.is_complex())):
                 found = param.dtype if isinstance(param, torch.Tensor) else type(param).__name__
-                raise TypeError(f"ema: params{pytree.keystr(path)} is {found}; it averages floating tensors")
+                raise TypeError(f"ema: params{py_pytree.keystr(path)} is {found}; it averages floating tensors")
         average = pytree.tree_map(lambda p: p.detach().to(_average_dtype(p.dtype), copy=True), params)
         return EmaState(step_counter(params), average, optimizer.init(params))
 
@@ -103,7 +104,7 @@ def ema(optimizer: Optimizer, decay: float = 0.999) -> Optimizer:
             expected = _average_dtype(param.dtype)
             if not (isinstance(average, torch.Tensor) and average.shape == param.shape and average.dtype == expected):
                 # Key paths only for the message: flattening with them costs several times a plain flatten.
-                key = pytree.keystr(pytree.tree_flatten_with_path(new_params)[0][index][0])
+                key = py_pytree.keystr(py_pytree.tree_flatten_with_path(new_params)[0][index][0])
                 found = f"{average.dtype}{list(average.shape)}" if isinstance(average, torch.Tensor) else "no tensor"
                 raise ValueError(
                     f"ema: opt_state.average{key} is {found}, expected {expected}{list(param.shape)} for "

@@ -7,7 +7,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
+import torch.utils._cxx_pytree as pytree
+import torch.utils._pytree as py_pytree
 
 from fmp._optimizer import Optimizer
 from fmp.optim._base import leaves_like_params
@@ -22,11 +23,11 @@ def param_name(path: tuple[Any, ...]) -> str:
     """A parameter's name from its key path: dict keys, sequence indices and attributes joined by dots."""
     parts = []
     for key in path:
-        if isinstance(key, pytree.MappingKey):
+        if isinstance(key, py_pytree.MappingKey):
             parts.append(str(key.key))
-        elif isinstance(key, pytree.SequenceKey):
+        elif isinstance(key, py_pytree.SequenceKey):
             parts.append(str(key.idx))
-        elif isinstance(key, pytree.GetAttrKey):
+        elif isinstance(key, py_pytree.GetAttrKey):
             parts.append(key.name)
         else:
             parts.append(str(key))
@@ -37,10 +38,10 @@ def _groups(params: Any, label: LabelFn, optimizers: Mapping[str, Optimizer]) ->
     """Each group's parameters, `{name: leaf index}` in the params' order; every group of `optimizers`, empty or not."""
     groups: dict[str, dict[str, int]] = {group: {} for group in optimizers}
     seen: set[str] = set()
-    for index, (path, param) in enumerate(pytree.tree_flatten_with_path(params)[0]):
+    for index, (path, param) in enumerate(py_pytree.tree_flatten_with_path(params)[0]):
         name = param_name(path)
         if name in seen:
-            raise ValueError(f"two parameters are both named {name!r} (params{pytree.keystr(path)} and another)")
+            raise ValueError(f"two parameters are both named {name!r} (params{py_pytree.keystr(path)} and another)")
         seen.add(name)
         group = label(name, param)
         if not isinstance(group, str):

@@ -7,7 +7,8 @@ from typing import Any
 from typing import NamedTuple
 
 import torch
-import torch.utils._pytree as pytree
+import torch.utils._cxx_pytree as pytree
+import torch.utils._pytree as py_pytree
 
 from fmp._checks import check_bool
 from fmp._checks import check_real
@@ -61,7 +62,7 @@ def _check_sparse(name: str, grads: Any, grad_leaves: list[Any], weight_decay: f
         return
     for index, grad in enumerate(grad_leaves):
         if isinstance(grad, torch.Tensor) and grad.layout != torch.strided:
-            path = pytree.keystr(pytree.tree_flatten_with_path(grads)[0][index][0])
+            path = py_pytree.keystr(py_pytree.tree_flatten_with_path(grads)[0][index][0])
             raise ValueError(
                 f"{name}: grads{path} is {grad.layout}, and weight_decay={weight_decay} would add the dense param "
                 f"to it, which torch.optim.SGD refuses too; pass weight_decay=0.0 for sparse gradients (or "

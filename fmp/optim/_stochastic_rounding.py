@@ -6,7 +6,8 @@ from typing import Any
 from typing import NamedTuple
 
 import torch
-import torch.utils._pytree as pytree
+import torch.utils._cxx_pytree as pytree
+import torch.utils._pytree as py_pytree
 
 from fmp._checks import check_int
 from fmp._optimizer import Optimizer
@@ -54,10 +55,10 @@ def _is_ema_state(node: Any) -> bool:
 
 
 def _check_params(params: Any) -> None:
-    for path, leaf in pytree.tree_flatten_with_path(params)[0]:
+    for path, leaf in py_pytree.tree_flatten_with_path(params)[0]:
         if isinstance(leaf, torch.Tensor) and leaf.dtype == torch.float16:
             raise TypeError(
-                f"stochastic_rounding: params{pytree.keystr(path)} is float16; it rounds bfloat16 params "
+                f"stochastic_rounding: params{py_pytree.keystr(path)} is float16; it rounds bfloat16 params "
                 f"(float16's range needs a loss scale: keep float16 training's params in float32)"
             )
 
