@@ -38,11 +38,14 @@ from fmp._step import mixed_precision_step
 from fmp._step import raise_if_stalled
 from fmp._step import train_step
 from fmp._struct import OPTREE_NAMESPACE
+from fmp._struct import resolve_annotations as _resolve_annotations
 from fmp._tree import all_finite
 from fmp._tree import cast_floating
 from fmp._tree import select_tree
 from fmp._tree import stack_trees
 from fmp._tree import unstack_tree
+
+_resolve_annotations()  # every state class is defined by now
 
 __version__ = "0.1.0"
 

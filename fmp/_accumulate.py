@@ -12,9 +12,9 @@ from typing import Any
 from typing import NamedTuple
 
 import torch
-import torch.utils._cxx_pytree as pytree
 import torch.utils._pytree as py_pytree
 
+import fmp._pytree as pytree
 from fmp._checks import check_int
 from fmp._grad import ScalerTree
 from fmp._struct import pytree_dataclass

@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.utils._cxx_pytree as pytree
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
+import fmp._pytree as pytree
 from fmp._tree import functorch_base
 
 __all__ = ["check_reads_no_module_parameters", "grad_and_aux", "tracked_leaves"]

@@ -14,9 +14,9 @@ from typing import TypeVar
 from typing import cast
 
 import torch
-import torch.utils._cxx_pytree as pytree
 import torch.utils._pytree as py_pytree
 
+import fmp._pytree as pytree
 from fmp._tree import selectable_pairs
 
 __all__ = ["check_distinct", "copy_aliases", "donate_into", "select_into", "writable", "writes_in_place"]

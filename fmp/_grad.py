@@ -15,9 +15,9 @@ from typing import NamedTuple
 from typing import cast
 
 import torch
-import torch.utils._cxx_pytree as pytree
 import torch.utils._pytree as py_pytree
 
+import fmp._pytree as pytree
 from fmp._backward import check_reads_no_module_parameters
 from fmp._backward import grad_and_aux
 from fmp._checks import check_bool

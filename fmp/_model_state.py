@@ -12,8 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.utils._cxx_pytree as pytree
 import torch.utils._pytree as py_pytree
+
+import fmp._pytree as pytree
 
 __all__ = ["has_model_state", "returning_model_state", "settle_model_state"]
 

@@ -7,8 +7,8 @@ from typing import TypeVar
 from typing import cast
 
 import torch
-import torch.utils._cxx_pytree as pytree
 
+import fmp._pytree as pytree
 from fmp._donation import writable
 from fmp._tree import check_no_opaque_leaves
 from fmp._tree import is_inexact_tensor
@@ -84,8 +84,12 @@ def clip_tree_by_global_norm(grads: Tree, max_norm: float, *, in_place: bool = F
             return g
         # Each gradient keeps its dtype, as under clip_grad_norm_'s in-place multiply: a 0-dim
         # float16 gradient times the float32 factor would otherwise be promoted to float32.
-        if g.layout == torch.sparse_coo:  # a sparse tensor times a 0-dim one stays sparse
-            return (g * factor.to(g.device, g.dtype)).coalesce()
+        if g.layout == torch.sparse_coo:
+            # The values are scaled as a dense gradient's elements are (in float32, then rounded):
+            # a sparse tensor times a 0-dim one would round the factor to a 16-bit dtype first.
+            g = g.coalesce()
+            values = (g.values() * factor.to(g.device)).to(g.dtype)
+            return torch.sparse_coo_tensor(g.indices(), values, g.shape, is_coalesced=True, check_invariants=False)
         return g.mul_(factor.to(g.device)) if in_place and writable(g) else (g * factor.to(g.device)).to(g.dtype)
 
     clipped = pytree.tree_map(clip, grads)

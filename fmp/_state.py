@@ -6,9 +6,9 @@ from typing import Any
 from typing import NamedTuple
 
 import torch
-import torch.utils._cxx_pytree as pytree
 import torch.utils._pytree as py_pytree
 
+import fmp._pytree as pytree
 from fmp._accumulate import GradientAccumulator
 from fmp._checks import check_int
 from fmp._grad import ScalerTree

@@ -16,8 +16,8 @@ from typing import TypeVar
 from typing import cast
 
 import torch
-import torch.utils._cxx_pytree as pytree
 
+import fmp._pytree as pytree
 from fmp._accumulate import GradientAccumulator
 from fmp._checks import check_bool
 from fmp._checks import check_int

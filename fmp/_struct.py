@@ -15,6 +15,9 @@ readable through `LEGACY_NAMES`, the compatibility table below.
 from __future__ import annotations
 
 import dataclasses
+import pickle
+import sys
+import typing
 from collections.abc import Iterable
 from typing import Any
 from typing import TypeVar
@@ -31,6 +34,7 @@ __all__ = [
     "current_name",
     "pytree_dataclass",
     "replace",
+    "resolve_annotations",
     "serializable_namedtuple",
     "state_classes",
     "static_field",
@@ -47,9 +51,6 @@ T = TypeVar("T")
 # Every class the decorators below registered, in order of definition.
 _STATE_CLASSES: list[type] = []
 
-# Classes fmp does not export, which keep their defining (private) module as their name: none of
-# them is ever part of a state that is saved. Every other state class is reachable by its public
-# name (tests/test_layout.py checks both).
 LEGACY_NAMES: dict[str, str] = {
     # Written by fmp before the layout by concern (commit e53d265): public modules of their own.
     "fmp.state.TrainState": "fmp.TrainState",
@@ -58,7 +59,7 @@ LEGACY_NAMES: dict[str, str] = {
     "fmp.loss_scale.StaticLossScale": "fmp.StaticLossScale",
     "fmp.loss_scale.DynamicLossScale": "fmp.DynamicLossScale",
     "fmp.accumulate.GradientAccumulator": "fmp.GradientAccumulator",
-    "fmp.accumulate.AccumulatedGradients": "fmp._accumulate.AccumulatedGradients",
+    "fmp.accumulate.AccumulatedGradients": "fmp.AccumulatedGradients",
     "fmp.grad.Gradients": "fmp.Gradients",
     "fmp.step.StepInfo": "fmp.StepInfo",
     "fmp.optim.adam.AdamState": "fmp.optim.AdamState",
@@ -72,6 +73,7 @@ LEGACY_NAMES: dict[str, str] = {
     "fmp._loss_scale.StaticLossScale": "fmp.StaticLossScale",
     "fmp._loss_scale.DynamicLossScale": "fmp.DynamicLossScale",
     "fmp._accumulate.GradientAccumulator": "fmp.GradientAccumulator",
+    "fmp._accumulate.AccumulatedGradients": "fmp.AccumulatedGradients",
     "fmp._grad.Gradients": "fmp.Gradients",
     "fmp._step.StepInfo": "fmp.StepInfo",
     "fmp.optim._adam.AdamState": "fmp.optim.AdamState",
@@ -108,9 +110,43 @@ def _public_module(module: str) -> str:
     return ".".join(public)
 
 
+# Each renamed class -> the module that defines it, whose names its annotations use.
+_DEFINED_IN: dict[type, str] = {}
+
+
 def _name_publicly(cls: type) -> None:
-    """Sets `cls.__module__` to its public namespace, which exports it."""
+    """Sets `cls.__module__` to its public namespace, which exports it (see `resolve_annotations`)."""
+    _DEFINED_IN[cls] = cls.__module__
     cls.__module__ = _public_module(cls.__module__)
+
+
+def resolve_annotations() -> None:
+    """Resolves the renamed classes' field annotations in the modules that define them.
+
+    They are strings (`from __future__ import annotations`) naming what the defining module
+    imported, which `typing.get_type_hints` would look up in the public module. Called once fmp is
+    imported, when the classes they may name further down their modules exist.
+    """
+    for cls, module in _DEFINED_IN.items():
+        cls.__annotations__ = typing.get_type_hints(cls, globalns=vars(sys.modules[module]))
+    _DEFINED_IN.clear()
+
+
+# The field counts earlier fmp versions pickled these classes with.
+_LEGACY_WIDTHS = {"StepCounts": (4,)}
+
+
+def _check_padding_model(name: str, fields: tuple[Any, ...]) -> None:
+    """Refuses fields the padding cannot be modelled on: non-tensors, differing shapes, expanded views.
+
+    An expanded tensor costs a file a few bytes whatever its shape; zeros of that shape would not.
+    """
+    first = fields[0]
+    for field in fields:
+        if not isinstance(field, torch.Tensor) or field.shape != first.shape or 0 in field.stride():
+            raise pickle.UnpicklingError(
+                f"a legacy {name} must hold tensors of one shape, each stored whole; this file's are not"
+            )
 
 
 def _zero_padding_loader(cls: type) -> type:
@@ -119,8 +155,13 @@ def _zero_padding_loader(cls: type) -> type:
 
     class Loader:
         def __new__(loader: type, *fields: Any) -> Any:
-            if fields and len(fields) < width:
-                fields = (*fields, *(torch.zeros_like(fields[0]) for _ in range(width - len(fields))))
+            if len(fields) in _LEGACY_WIDTHS.get(cls.__qualname__, ()):
+                _check_padding_model(cls.__qualname__, fields)
+                like = fields[0]
+                padding = (
+                    torch.zeros(like.shape, dtype=like.dtype, device=like.device) for _ in range(width - len(fields))
+                )
+                fields = (*fields, *padding)
             return cls(*fields)
 
     Loader.__qualname__ = Loader.__name__ = f"Legacy{cls.__qualname__}"

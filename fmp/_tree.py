@@ -15,8 +15,9 @@ from typing import TypeVar
 from typing import cast
 
 import torch
-import torch.utils._cxx_pytree as pytree
 import torch.utils._pytree as py_pytree
+
+import fmp._pytree as pytree
 
 __all__ = [
     "all_finite",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from typing import Any
 
 import pytest
@@ -324,3 +326,96 @@ def test_an_unscaled_backward_on_another_thread_during_a_scaled_one_is_refused()
     buffer.scale(model[2](hidden).square().mean(), scaler).backward()
     with pytest.raises(RuntimeError, match=UNSCALED):
         buffer.unscale_(scaler)
+
+
+IN_PLACE = {
+    "divided": lambda scaled, model: scaled.div_(4),
+    "added to": lambda scaled, model: scaled.add_(model[0].weight.sum() * 1000),
+    "through a view": lambda scaled, model: scaled.view(1).mul_(3),
+}
+
+
+@pytest.mark.parametrize("edit", IN_PLACE.values(), ids=list(IN_PLACE))
+def test_backward_after_an_in_place_edit_is_torchs_own_and_refused(edit: Any) -> None:
+    """`scaled /= n; scaled.backward()` differentiates the edited history, as torch does, and is not marked."""
+    model, buffer, scaler = setup()
+    twin, _, _ = setup()
+    scaled = buffer.scale(loss_of(model), scaler)
+    edit(scaled, model)
+    scaled.backward()
+    reference = scaler.scale(loss_of(twin))
+    edit(reference, twin)
+    reference.backward()  # torch.Tensor.backward: from the tensor's grad_fn after the edit
+    assert all(torch.equal(a, b) for a, b in zip(grads_of(model), grads_of(twin), strict=True))
+    with pytest.raises(RuntimeError, match=UNSCALED + r".*nor its own after an in-place edit \(scaled /= n"):
+        buffer.unscale_(scaler)
+    buffer.zero_()
+    buffer.scale(loss_of(model) / 4, scaler).backward()  # the right call: scale the loss you differentiate
+    grads_finite, _ = buffer.unscale_(scaler)
+    assert bool(grads_finite)
+
+
+def test_backward_after_detach_is_refused_as_torch_refuses_it() -> None:
+    model, buffer, scaler = setup()
+    scaled = buffer.scale(loss_of(model), scaler)
+    scaled.detach_()
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        scaled.backward()
+    assert all(not p.grad.any() for p in model.parameters())  # type: ignore[union-attr]
+
+
+def test_a_temporary_edited_in_place_and_dropped_raises_at_backward() -> None:
+    """The tensor is gone by the time its `.backward` runs; a detached alias still shows the edit."""
+    model, buffer, scaler = setup()
+    with pytest.raises(RuntimeError, match=r"edited in place \(grads.scale\(loss, scaler\).add_\(x\), say\)"):
+        buffer.scale(loss_of(model), scaler).add_(model[0].weight.sum()).backward()
+    assert all(not p.grad.any() for p in model.parameters())  # type: ignore[union-attr]
+    # Unedited, a backward whose tensor is gone still counts as scaled.
+    backward = buffer.scale(loss_of(model), scaler).backward
+    backward()
+    grads_finite, _ = buffer.unscale_(scaler)
+    assert bool(grads_finite)
+
+
+def test_the_scaled_loss_and_its_graph_are_freed_without_a_collection() -> None:
+    """`.backward` holds the tensor weakly: no reference cycle keeps the graph alive until the cyclic GC."""
+    model, buffer, scaler = setup()
+    hidden = model[0](torch.randn(5, 6))
+    saved = weakref.ref(hidden)  # saved by the graph (for ReLU's backward), freed with it
+    scaled = buffer.scale(model[2](model[1](hidden)).square().mean(), scaler)
+    tensor = weakref.ref(scaled)
+    del hidden
+    gc.disable()
+    try:
+        del scaled
+        assert tensor() is None and saved() is None
+    finally:
+        gc.enable()
+
+
+@pytest.mark.compiled
+# Dynamo's own, at any graph break with a non-leaf tensor live across it (the loss here), in torch 2.13.
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf Tensor is being accessed")
+def test_a_compiled_forward_that_scales_graph_breaks_and_its_backward_counts() -> None:
+    """Dynamo cannot mark the tensor: `scale` runs its marking eagerly, and the compiled result keeps `.backward`."""
+    torch._dynamo.reset()
+    model, buffer, scaler = setup()
+    twin, twin_buffer, _ = setup()
+
+    def forward(module: nn.Module, grads: fmp.interop.GradientBuffer, x: torch.Tensor) -> torch.Tensor:
+        return grads.scale(module(x).square().mean(), scaler)
+
+    compiled = torch.compile(forward, backend="aot_eager")
+    for seed in range(2):  # the second call runs the compiled code
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(seed))
+        scaled = compiled(model, buffer, x)
+        assert "backward" in scaled.__dict__
+        scaled.backward()
+        grads_finite, _ = buffer.unscale_(scaler)
+        forward(twin, twin_buffer, x).backward()
+        twin_buffer.unscale_(scaler)
+        assert bool(grads_finite)
+        assert all(torch.equal(a, b) for a, b in zip(grads_of(model), grads_of(twin), strict=True))
+        buffer.zero_()
+        twin_buffer.zero_()
+    torch._dynamo.reset()

@@ -76,3 +76,22 @@ def test_state_classes_are_pickled_by_public_names_that_resolve_to_them() -> Non
         assert not any(part.startswith("_") for part in cls.__module__.split(".")), name
         assert cls.__qualname__ in importlib.import_module(cls.__module__).__all__, name
         assert getattr(importlib.import_module(cls.__module__), cls.__qualname__) is cls, name
+
+
+def test_state_classes_keep_resolvable_annotations() -> None:
+    import typing
+
+    from fmp._struct import state_classes
+
+    for cls in state_classes():
+        hints = typing.get_type_hints(cls)  # raised NameError once the classes moved to public modules
+        assert all(not isinstance(hint, str) for hint in hints.values()), cls
+
+
+def test_every_legacy_name_leads_to_a_state_class() -> None:
+    from fmp._struct import LEGACY_NAMES
+    from fmp._struct import state_classes
+
+    current = {f"{cls.__module__}.{cls.__qualname__}" for cls in state_classes()}
+    assert set(LEGACY_NAMES.values()) <= current
+    assert "fmp._accumulate.AccumulatedGradients" in LEGACY_NAMES

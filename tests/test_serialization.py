@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import pickle
 import signal
 import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -459,3 +462,22 @@ def test_a_damaged_shard_file_or_replicated_leaf_is_a_checkpoint_error(tmp_path:
     with pytest.raises(CheckpointError) as error:
         load_sharded(tmp_path / "edited", state)
     refused(error, "the sha256 of state.scaler.loss_scale does not match")
+
+
+def test_a_legacy_step_counts_of_expanded_views_is_refused_not_padded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Zeros shaped like an expanded field would cost memory that the file never paid for.
+    legacy = collections.namedtuple("StepCounts", ["applied", "skipped", "stalled", "calls"])  # type: ignore[misc]
+    module = types.ModuleType("fmp.state")
+    module.StepCounts = legacy  # type: ignore[attr-defined]
+    legacy.__module__ = "fmp.state"
+    monkeypatch.setitem(sys.modules, "fmp.state", module)
+    huge = torch.zeros((), dtype=torch.int64).expand(2**20)
+    torch.save({"counts": legacy(huge, huge, huge, huge)}, tmp_path / "crafted.pt")
+    with pytest.raises(pickle.UnpicklingError, match="stored whole"):
+        torch.load(tmp_path / "crafted.pt", weights_only=True)
+    fine = torch.zeros((), dtype=torch.int64)
+    torch.save({"counts": legacy(fine, fine + 1, fine, fine)}, tmp_path / "sound.pt")
+    counts = torch.load(tmp_path / "sound.pt", weights_only=True)["counts"]
+    assert type(counts) is fmp.StepCounts and [int(c) for c in counts] == [0, 1, 0, 0, 0, 0]

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from typing import Any
 
@@ -612,3 +613,34 @@ def test_one_noop_scaler_in_a_tuple_takes_expanded_gradients() -> None:
         lambda p: ((p["a"] + p["b"]).sum(),), state, policy=fmp.Policy(), optimizer=fmp.optim.sgd(0.1)
     )
     assert bool(info.applied) and torch.equal(new.params["a"], torch.full((4,), 0.9))
+
+
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclasses.dataclass
+class _Linear:
+    w: torch.Tensor
+    b: torch.Tensor
+
+
+torch.utils._pytree.register_dataclass(_Batch)
+torch.export.register_dataclass(_Linear)
+
+
+def test_containers_registered_as_torch_dataclasses_are_trees_to_the_step() -> None:
+    # torch registers these with its Python pytree only; the step's C++ traversal must see them too.
+    def loss_fn(params: _Linear, batch: _Batch) -> torch.Tensor:
+        return ((batch.x @ params.w + params.b - batch.y) ** 2).mean()
+
+    params = _Linear(torch.randn(3, 1, generator=torch.Generator().manual_seed(0)), torch.zeros(1))
+    batch = _Batch(torch.randn(4, 3), torch.randn(4, 1))
+    optimizer = fmp.optim.sgd(0.1)
+    state = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create(8.0))
+    state, info = fmp.train_step(loss_fn, state, batch, policy=fmp.get_policy("c=bf16"), optimizer=optimizer)
+    assert bool(info.applied) and isinstance(state.params, _Linear)
+    grads = torch.func.grad(lambda p: loss_fn(p, batch))(params)
+    assert not torch.equal(state.params.w, params.w) and state.params.w.shape == grads.w.shape

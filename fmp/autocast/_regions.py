@@ -31,8 +31,8 @@ from typing import ParamSpec
 from typing import TypeVar
 
 import torch
-import torch.utils._cxx_pytree as pytree
 
+import fmp._pytree as pytree
 from fmp._checks import check_callable
 from fmp.autocast._transform import AutocastMode
 

@@ -27,9 +27,9 @@ from typing import TypeVar
 from typing import cast
 
 import torch
-import torch.utils._cxx_pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+import fmp._pytree as pytree
 from fmp._ambient import AMBIENT
 from fmp._checks import check_callable
 from fmp.autocast._composite_copies import PLAIN_COPIES

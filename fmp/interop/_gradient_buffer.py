@@ -120,6 +120,11 @@ def _check_skips_on_device(optimizer: Any) -> None:
         )
 
 
+def _same_edge(a: torch.autograd.graph.GradientEdge, b: torch.autograd.graph.GradientEdge) -> bool:
+    """Whether two gradient edges lead into the same input of the same node (whatever their ownership tokens)."""
+    return a.node is b.node and a.output_nr == b.output_nr
+
+
 class _ScaledLoss:
     """One loss `GradientBuffer.scale` returned: whether its `.backward()` is starting, and its graph task."""
 
@@ -186,13 +191,20 @@ class _Accumulation:
         """Gives `scaled` a `.backward` of its own, whose backward counts as scaled while it runs.
 
         Only that call counts: a backward started at any other tensor (one computed from `scaled`,
-        or `torch.autograd.backward(scaled)`) reaches `scaled`'s node too, but not as its root.
+        or `torch.autograd.backward(scaled)`) reaches `scaled`'s node too, but not as its root; so
+        does `.backward()` on `scaled` after an in-place edit (`scaled /= n`, `scaled.add_(x)`,
+        `scaled.detach_()`), which runs torch's own backward from the edited history, unmarked.
         """
         flag = weakref.ref(self)
         loss = _ScaledLoss()
-        # The edge into `scaled`'s node, not `scaled`: the tensor holds this `.backward`, and a
-        # reference back to the tensor would be a cycle keeping its graph alive until a collection.
+        # The edge into `scaled`'s node, and `scaled` held weakly: the tensor holds this
+        # `.backward`, and a reference back to the tensor would be a cycle keeping its graph alive
+        # until a collection. A detached alias shares its version counter (and storage, not its
+        # graph): an in-place edit shows there even once the tensor itself is gone.
         edge = torch.autograd.graph.get_gradient_edge(scaled)
+        tensor_ref = weakref.ref(scaled)
+        alias = scaled.detach()
+        version = scaled._version
 
         def starts(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
             alive = flag()
@@ -214,6 +226,23 @@ class _Accumulation:
             inputs: Any = None,
         ) -> None:
             """`torch.Tensor.backward`, counted by the `GradientBuffer` that scaled this loss."""
+            tensor = tensor_ref()
+            if tensor is not None and (
+                tensor._version != version
+                or not tensor.requires_grad
+                or not _same_edge(torch.autograd.graph.get_gradient_edge(tensor), edge)
+            ):
+                # Edited in place since `scale`: torch's backward from its history now, which holds
+                # what the edit added (or raises, after `detach_()`). Not marked, so `unscale_`
+                # refuses it rather than take `scaled / n` for the scaled loss.
+                torch.Tensor.backward(tensor, gradient, retain_graph, create_graph, inputs=inputs)  # type: ignore[no-untyped-call]
+                return
+            if tensor is None and alias._version != version:
+                raise RuntimeError(
+                    "the loss grads.scale returned was edited in place (grads.scale(loss, scaler).add_(x), say) "
+                    "and dropped before its .backward() ran, so that backward cannot see the edit and would "
+                    "miss it; scale the loss you differentiate: grads.scale(loss + x, scaler).backward()"
+                )
             loss.starting = True
             try:
                 # What torch.Tensor.backward runs, from the tensor's edge: the same root and gradient.
@@ -397,9 +426,20 @@ class GradientBuffer:
         the scaled loss, as in `(scaled + other_loss).backward()`, whose `other_loss` gradients are
         not scaled. So are `(scaled / n).backward()`, `torch.autograd.backward(scaled)` and a
         backward of several scaled losses at once: scale the loss you differentiate
-        (`grads.scale(loss / n, scaler)`, `grads.scale(loss_a + loss_b, scaler)`). A backward that
-        raised midway leaves no mark behind, and one nested in a scaled backward, on its thread (a
-        reentrant checkpoint's), counts as scaled.
+        (`grads.scale(loss / n, scaler)`, `grads.scale(loss_a + loss_b, scaler)`). After an
+        in-place edit of the returned tensor (`scaled /= n`, `scaled.add_(other)`,
+        `scaled.detach_()`) its `.backward()` is torch's own, from the edited history, and is
+        refused as well; one edited and dropped before its `.backward()` ran
+        (`grads.scale(loss, scaler).add_(x).backward()`) raises there, as its backward cannot see
+        the edit. Only `detach_()` on such a dropped temporary goes unseen (it changes no version):
+        its backward runs from the loss as scaled. A backward that raised midway leaves no mark
+        behind, and one nested in a scaled backward, on its thread (a reentrant checkpoint's),
+        counts as scaled.
+
+        Inside `torch.compile` the marking runs eagerly (`torch.compiler.disable`): a compiled
+        forward that calls `scale` graph-breaks there (and `fullgraph=True` refuses it), and the
+        tensor it returns keeps its `.backward`. Compiling the model alone and calling `scale`
+        outside it avoids the break.
 
         Args:
             loss: The loss (or any tensor to call `backward` on), with autograd history.
@@ -413,11 +453,21 @@ class GradientBuffer:
                 fmp loss-scale state.
             ValueError: If `loss` has no autograd history (made under `torch.no_grad()`, or from
                 tensors that do not require grad), so that its backward would write no gradient.
+            RuntimeError: From the returned tensor's `.backward()`, if that tensor was edited in
+                place and dropped before the call, as in `grads.scale(loss, scaler).add_(x).backward()`.
         """
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss must be a tensor, got {type(loss).__name__}")
         check_scaler(scaler)
-        scaled = scaler.scale(loss)
+        scaled: torch.Tensor = self._checked_and_marked(loss, scaler.scale(loss))
+        return scaled
+
+    # Run eagerly, also inside a compiled function: Dynamo cannot read a grad_fn, hook an autograd
+    # node nor set an entry of a tensor's __dict__ (it raised on that), so a compiled forward
+    # graph-breaks here, once, and the tensor it returns keeps its `.backward`.
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def _checked_and_marked(self, loss: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:
+        """`scaled`, `scaler.scale(loss)`, once checked and given its `.backward` (see `scale`)."""
         if scaled.grad_fn is None:
             raise ValueError(
                 "loss has no autograd history (computed under torch.no_grad(), or from tensors that do not "
@@ -526,7 +576,8 @@ class GradientBuffer:
                 "run the backward of grads.scale(loss, scaler) (scaler.scale(loss).backward() is refused too: "
                 "scale is pure, so the buffer cannot see that loss). Only .backward() on the very tensor "
                 "grads.scale returned counts, not the backward of a tensor computed from it ((scaled + loss), "
-                "scaled / n) nor torch.autograd.backward(scaled): scale the loss you differentiate"
+                "scaled / n), nor torch.autograd.backward(scaled), nor its own after an in-place edit (scaled /= n, "
+                "scaled.add_(loss)): scale the loss you differentiate"
             )
         return buffers
 

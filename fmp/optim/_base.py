@@ -11,9 +11,9 @@ from typing import TypeAlias
 from typing import cast
 
 import torch
-import torch.utils._cxx_pytree as pytree
 import torch.utils._pytree as py_pytree
 
+import fmp._pytree as pytree
 from fmp._checks import check_real
 from fmp._tree import tree_accelerator_device
 

@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.utils._cxx_pytree as pytree
 import torch.utils._pytree as py_pytree
 
+import fmp._pytree as pytree
 from fmp._optimizer import Optimizer
 from fmp.optim._base import leaves_like_params
 
