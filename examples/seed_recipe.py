@@ -3,7 +3,7 @@
 The seed recipe runs on a GPU at width 4096 and batch 4096 in float16; this CPU demo keeps its
 shape at a smaller size, in bfloat16, and prints loss and loss scale per epoch for each run. Two
 fmp runs: "fmp", the functional step (`fmp.train_step`), and "fmp.autograd", the recipe's own
-loop (`torch.nn`, `torch.autocast`, `loss.backward()`) with fmp's scaler and a `GradientBuffer`,
+loop (`torch.nn`, `torch.autocast`, a backward of `grads.scale(loss, scaler)`) with fmp's scaler and a `GradientBuffer`,
 which follows torch.amp bit for bit without a host sync.
 Every run starts from the same weights and sees the same batches; each is warmed up on one batch
 first (fmp's compile happens there), so the times compare steady-state training.

@@ -83,7 +83,7 @@ def stochastic_rounding(optimizer: Optimizer, *, seed: int = 0, state_dtype: tor
     update draws what the skipped one would have. Nothing syncs with the host.
 
     Use it with a policy that keeps params in bfloat16, e.g.
-    `fmp.get_policy("params=bfloat16,compute=bfloat16,output=float32")` and `fmp.NoOpLossScale()`.
+    `fmp.get_policy("params=bfloat16,compute=bfloat16,output=float32")` and `fmp.NoOpLossScale.create()`.
 
     Args:
         optimizer: The pure optimizer to wrap, e.g. `fmp.optim.adamw(1e-3)`.
