@@ -23,8 +23,8 @@ from fmp._backward import grad_and_aux
 from fmp._checks import check_bool
 from fmp._checks import check_callable
 from fmp._loss_scale import LossScale
-from fmp._loss_scale import check_scaler
 from fmp._policy import Policy
+from fmp._scale_checks import check_scaler
 from fmp._scaler import owned_all_finite
 from fmp._scaler import unscale_and_check
 from fmp._struct import serializable_namedtuple

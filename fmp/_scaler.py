@@ -34,10 +34,10 @@ from fmp._donation import writes_in_place
 from fmp._loss_scale import DynamicLossScale
 from fmp._loss_scale import LossScale
 from fmp._loss_scale import StaticLossScale
-from fmp._loss_scale import check_scaler
 from fmp._loss_scale import inverse_scale
 from fmp._loss_scale import unscale_in_place
 from fmp._norm import clip_tree_by_global_norm
+from fmp._scale_checks import check_scaler
 from fmp._tree import all_finite
 from fmp._tree import check_gradient_leaves
 from fmp._tree import check_on_device
@@ -51,6 +51,7 @@ __all__ = [
     "check_unscale_arguments",
     "compiled_unscale_and_adjust",
     "owned_all_finite",
+    "per_loss",
     "unscale",
     "unscale_and_adjust",
     "unscale_and_check",
@@ -118,15 +119,16 @@ def owned_all_finite(grads: Any) -> torch.Tensor:
     return all_finite(grads)
 
 
-def _is_scaler(node: Any) -> bool:
-    return isinstance(node, LossScale)
+def per_loss(tree: Any) -> tuple[Any, ...]:
+    """One loss's scaler (or flag) as a 1-tuple; several losses' tuple as it is."""
+    return tree if isinstance(tree, tuple) else (tree,)
 
 
 def adjust_each(scaler: Any, finite_per_loss: Any) -> Any:
     """Each scaler adjusted by its own flag (one scaler and flag, or tuples of them, one per loss)."""
     if isinstance(scaler, LossScale):
         return scaler.adjust(finite_per_loss)
-    return pytree.tree_map(lambda s, finite: s.adjust(finite), scaler, finite_per_loss, is_leaf=_is_scaler)
+    return tuple(s.adjust(finite) for s, finite in zip(scaler, finite_per_loss, strict=True))
 
 
 def check_unscale_arguments(scaler: Any, scaled_grads: Any, donate: Any, max_norm: Any) -> torch.device:

@@ -14,8 +14,8 @@ from fmp._checks import check_int
 from fmp._grad import ScalerTree
 from fmp._grad import check_param_leaves
 from fmp._grad import check_scalers
-from fmp._loss_scale import check_scaler_values
 from fmp._optimizer import Optimizer
+from fmp._scale_checks import check_scaler_values
 from fmp._struct import serializable_namedtuple
 from fmp._tree import check_on_device
 from fmp._tree import tree_accelerator_device

@@ -41,6 +41,7 @@ from fmp._norm import global_norm
 from fmp._optimizer import Optimizer
 from fmp._policy import Policy
 from fmp._scaler import adjust_each
+from fmp._scaler import per_loss
 from fmp._state import StepCounts
 from fmp._state import TrainState
 from fmp._state import check_model_state
@@ -86,10 +87,6 @@ class StepInfo(NamedTuple):
     aux: Any
 
 
-def _is_scaler(node: Any) -> bool:
-    return isinstance(node, LossScale)
-
-
 def _at_min_scale(scaler: LossScale) -> torch.Tensor | bool:
     """Whether backing off can no longer lower the scale: a dynamic scale at `min_scale`, or any fixed one."""
     if isinstance(scaler, DynamicLossScale):
@@ -103,12 +100,8 @@ def _stalled(scaler: ScalerTree, finite_per_loss: Any) -> torch.Tensor:
     A scale out of range fails the comparison (NaN) or passes it (0, negative): `bad_scale` names such
     steps apart.
     """
-    if not isinstance(scaler, tuple):  # one loss: no tree to walk
-        return ~finite_per_loss & _at_min_scale(scaler)  # type: ignore[no-any-return]
-    per_loss = pytree.tree_leaves(
-        pytree.tree_map(lambda s, finite: ~finite & _at_min_scale(s), scaler, finite_per_loss, is_leaf=_is_scaler)
-    )
-    return per_loss[0] if len(per_loss) == 1 else torch.stack(per_loss).any()
+    flags = [~finite & _at_min_scale(s) for s, finite in zip(per_loss(scaler), per_loss(finite_per_loss), strict=True)]
+    return functools.reduce(operator.or_, flags)  # type: ignore[no-any-return]
 
 
 def _with_scales_in_range(scaler: ScalerTree, gradients: Gradients) -> tuple[Gradients, torch.Tensor]:
@@ -117,19 +110,13 @@ def _with_scales_in_range(scaler: ScalerTree, gradients: Gradients) -> tuple[Gra
     Such a scale (NaN, inf, 0, negative: a crafted or corrupted state) made gradients that mean
     nothing, even where finite (a negative scale), so the step is skipped and the adjust resets it.
     """
-    if not isinstance(scaler, tuple):  # one loss: no tree to walk
-        in_range_one = scale_in_range(scaler)
-        return gradients._replace(
-            grads_finite=gradients.grads_finite & in_range_one,
-            finite_per_loss=gradients.finite_per_loss & in_range_one,
-        ), ~in_range_one
-    in_range = pytree.tree_map(scale_in_range, scaler, is_leaf=_is_scaler)
-    finite_per_loss = pytree.tree_map(torch.logical_and, gradients.finite_per_loss, in_range)
-    flags = pytree.tree_leaves(in_range)
+    in_range = [scale_in_range(s) for s in per_loss(scaler)]
+    finite = tuple(f & r for f, r in zip(per_loss(gradients.finite_per_loss), in_range, strict=True))
     # Chained with &, not stacked: a NoOpLossScale's flag is a CPU tensor beside accelerator ones.
-    all_in_range = functools.reduce(operator.and_, flags)
+    all_in_range = functools.reduce(operator.and_, in_range)
     return gradients._replace(
-        grads_finite=gradients.grads_finite & all_in_range, finite_per_loss=finite_per_loss
+        grads_finite=gradients.grads_finite & all_in_range,
+        finite_per_loss=finite if isinstance(scaler, tuple) else finite[0],
     ), ~all_in_range
 
 
@@ -139,7 +126,7 @@ def _loss_scale(scaler: ScalerTree, device: torch.device) -> Any:
     def scale_of(s: LossScale) -> torch.Tensor:
         return torch.ones((), device=device) if isinstance(s, NoOpLossScale) else s.loss_scale
 
-    return scale_of(scaler) if not isinstance(scaler, tuple) else tuple(scale_of(s) for s in scaler)
+    return tuple(scale_of(s) for s in scaler) if isinstance(scaler, tuple) else scale_of(scaler)
 
 
 def _check_finite_per_loss(finite_per_loss: Any, scaler: Any) -> None:
@@ -402,7 +389,7 @@ def raise_if_stalled(state: TrainState, patience: int) -> None:
             f"update overflows the param dtype; restore a checkpoint, or lower the lr"
         )
     if worst > bad_scale + bad_update or not causes:
-        dynamic = any(isinstance(s, DynamicLossScale) for s in pytree.tree_leaves(state.scaler, is_leaf=_is_scaler))
+        dynamic = any(isinstance(s, DynamicLossScale) for s in per_loss(state.scaler))
         remedy = "lower min_scale" if dynamic else "use a lower fixed scale or a DynamicLossScale"
         causes.insert(
             0,

@@ -87,9 +87,10 @@ LEGACY_NAMES: dict[str, str] = {
 except as `ZERO_PADDED` says). Add an entry whenever a state class's public name changes.
 """
 
-ZERO_PADDED = frozenset({"fmp.StepCounts"})
-"""NamedTuples that gained trailing tensor fields (StepCounts: `bad_scale` and `bad_update`): a
-pickle with fewer fields loads with the missing ones zero, of the first field's dtype and device."""
+ZERO_PADDED: dict[str, tuple[int, ...]] = {"fmp.StepCounts": (4,)}
+"""NamedTuples that gained trailing tensor fields, with the field counts earlier fmp versions pickled
+(StepCounts gained `bad_scale` and `bad_update`): such a pickle loads with the missing fields zero,
+of the first field's shape, dtype and device."""
 
 
 def current_name(name: str) -> str:
@@ -132,10 +133,6 @@ def resolve_annotations() -> None:
     _DEFINED_IN.clear()
 
 
-# The field counts earlier fmp versions pickled these classes with.
-_LEGACY_WIDTHS = {"StepCounts": (4,)}
-
-
 def _check_padding_model(name: str, fields: tuple[Any, ...]) -> None:
     """Refuses fields the padding cannot be modelled on: non-tensors, differing shapes, expanded views.
 
@@ -149,13 +146,13 @@ def _check_padding_model(name: str, fields: tuple[Any, ...]) -> None:
             )
 
 
-def _zero_padding_loader(cls: type) -> type:
+def _zero_padding_loader(cls: type, legacy_widths: tuple[int, ...]) -> type:
     """A stand-in for `cls` in the unpickler's NEWOBJ (`loader.__new__(loader, *fields)`): pads to `cls`'s fields."""
     width = len(cls._fields)  # type: ignore[attr-defined]
 
     class Loader:
         def __new__(loader: type, *fields: Any) -> Any:
-            if len(fields) in _LEGACY_WIDTHS.get(cls.__qualname__, ()):
+            if len(fields) in legacy_widths:
                 _check_padding_model(cls.__qualname__, fields)
                 like = fields[0]
                 padding = (
@@ -172,7 +169,7 @@ def _zero_padding_loader(cls: type) -> type:
 def _allow_in_checkpoints(cls: type) -> None:
     _STATE_CLASSES.append(cls)
     name = f"{cls.__module__}.{cls.__qualname__}"
-    loader = _zero_padding_loader(cls) if name in ZERO_PADDED else cls
+    loader = _zero_padding_loader(cls, ZERO_PADDED[name]) if name in ZERO_PADDED else cls
     legacy = [(loader, old) for old, new in LEGACY_NAMES.items() if new == name]
     torch.serialization.add_safe_globals([cls, *legacy])
 

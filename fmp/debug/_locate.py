@@ -25,8 +25,8 @@ from fmp._grad import check_reads_no_module_parameters
 from fmp._grad import with_policy
 from fmp._loss_scale import LossScale
 from fmp._loss_scale import NoOpLossScale
-from fmp._loss_scale import check_scaler
 from fmp._policy import Policy
+from fmp._scale_checks import check_scaler
 from fmp.debug._watch import BackwardWatch
 from fmp.debug._watch import ForwardWatch
 from fmp.debug._watch import Found

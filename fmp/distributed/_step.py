@@ -16,9 +16,9 @@ from fmp._grad import ScalerTree
 from fmp._grad import check_scalers
 from fmp._loss_scale import LossScale
 from fmp._loss_scale import NoOpLossScale
-from fmp._loss_scale import check_scaler
 from fmp._optimizer import Optimizer
 from fmp._policy import Policy
+from fmp._scale_checks import check_scaler
 from fmp._scaler import Unscaled
 from fmp._scaler import unscale
 from fmp._state import TrainState

@@ -21,6 +21,7 @@ from fmp.optim._base import check_lr
 from fmp.optim._base import check_optimizable_params
 from fmp.optim._base import check_schedule_start
 from fmp.optim._base import check_state
+from fmp.optim._base import first_sparse_gradient
 from fmp.optim._base import leaves_like_params
 from fmp.optim._base import scheduled_lr
 from fmp.optim._base import step_counter
@@ -78,13 +79,13 @@ def _check_eps_in_param_dtypes(name: str, eps: float, params: Any, leaves: list[
 
 def _check_dense(name: str, grads: Any, grad_leaves: list[Any]) -> None:
     """Raises naming the first sparse gradient: Adam's moments are dense, as torch.optim.Adam's refusal says."""
-    for index, grad in enumerate(grad_leaves):
-        if isinstance(grad, torch.Tensor) and grad.layout != torch.strided:
-            path = py_pytree.keystr(py_pytree.tree_flatten_with_path(grads)[0][index][0])
-            raise TypeError(
-                f"{name} does not take sparse gradients, as torch.optim's Adam and AdamW do not: grads{path} is "
-                f"{grad.layout}. Train sparse embeddings with fmp.optim.sgd, or pass sparse=False to nn.Embedding"
-            )
+    sparse = first_sparse_gradient(grads, grad_leaves)
+    if sparse is not None:
+        path, layout = sparse
+        raise TypeError(
+            f"{name} does not take sparse gradients, as torch.optim's Adam and AdamW do not: grads{path} is "
+            f"{layout}. Train sparse embeddings with fmp.optim.sgd, or pass sparse=False to nn.Embedding"
+        )
 
 
 def _adam(

@@ -24,6 +24,7 @@ __all__ = [
     "check_schedule_start",
     "check_schedule_value",
     "check_state",
+    "first_sparse_gradient",
     "leaves_like_params",
     "scheduled_lr",
     "step_counter",
@@ -122,6 +123,17 @@ def leaves_like_params(
                 )
         all_leaves.append(leaves)
     return param_spec, param_leaves, all_leaves, own_specs
+
+
+def first_sparse_gradient(grads: Any, grad_leaves: list[Any]) -> tuple[str, torch.layout] | None:
+    """The key path and layout of the first gradient in `grads` that is not dense (strided), or None.
+
+    `grad_leaves` are `grads`' leaves, already flattened; the paths are only built when one is found.
+    """
+    for index, grad in enumerate(grad_leaves):
+        if isinstance(grad, torch.Tensor) and grad.layout != torch.strided:
+            return py_pytree.keystr(py_pytree.tree_flatten_with_path(grads)[0][index][0]), grad.layout
+    return None
 
 
 def unflatten_as(leaves: list[Any], param_spec: pytree.TreeSpec, spec: pytree.TreeSpec | None) -> Any:

@@ -7,7 +7,6 @@ from typing import Any
 from typing import NamedTuple
 
 import torch
-import torch.utils._pytree as py_pytree
 
 import fmp._pytree as pytree
 from fmp._checks import check_bool
@@ -19,6 +18,7 @@ from fmp.optim._base import check_lr
 from fmp.optim._base import check_optimizable_params
 from fmp.optim._base import check_schedule_start
 from fmp.optim._base import check_state
+from fmp.optim._base import first_sparse_gradient
 from fmp.optim._base import leaves_like_params
 from fmp.optim._base import scheduled_lr
 from fmp.optim._base import step_counter
@@ -58,16 +58,14 @@ def _check_sparse(name: str, grads: Any, grad_leaves: list[Any], weight_decay: f
 
     torch.optim.SGD refuses that too (`add(sparse, dense) is not supported`); fmp says which param.
     """
-    if not weight_decay:
-        return
-    for index, grad in enumerate(grad_leaves):
-        if isinstance(grad, torch.Tensor) and grad.layout != torch.strided:
-            path = py_pytree.keystr(py_pytree.tree_flatten_with_path(grads)[0][index][0])
-            raise ValueError(
-                f"{name}: grads{path} is {grad.layout}, and weight_decay={weight_decay} would add the dense param "
-                f"to it, which torch.optim.SGD refuses too; pass weight_decay=0.0 for sparse gradients (or "
-                f"sparse=False to nn.Embedding)"
-            )
+    sparse = first_sparse_gradient(grads, grad_leaves) if weight_decay else None
+    if sparse is not None:
+        path, layout = sparse
+        raise ValueError(
+            f"{name}: grads{path} is {layout}, and weight_decay={weight_decay} would add the dense param "
+            f"to it, which torch.optim.SGD refuses too; pass weight_decay=0.0 for sparse gradients (or "
+            f"sparse=False to nn.Embedding)"
+        )
 
 
 def _dense(leaves: list[torch.Tensor]) -> list[torch.Tensor]:

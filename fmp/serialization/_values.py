@@ -8,7 +8,7 @@ import torch
 
 from fmp._accumulate import GradientAccumulator
 from fmp._loss_scale import LossScale
-from fmp._loss_scale import check_scaler_values
+from fmp._scale_checks import check_scaler_values
 from fmp._state import StepCounts
 from fmp._struct import state_classes
 from fmp.serialization._structure import children
