@@ -5,19 +5,24 @@ Models: the zoo's "resnet_cnn" (convolutions, BatchNorm running statistics as mo
 `--device cuda` (see SIZES). Every contender trains its own copy of the model from the same
 weights on the same batches, AdamW (lr 1e-3, weight decay 1e-2); the contenders take turns round
 by round (the order rotating each round) so machine noise hits all alike. Each row prints the
-median time per step over the rounds and its ratio to torch.amp eager (eager rows) or to torch.amp
-compiled (compiled rows), then the same for the best round (on a shared machine, where other
-processes slow some rounds several-fold, the best rounds show what a step costs on its own):
+median time per step over the rounds and its ratio to torch.amp eager (eager rows; the fused
+row to torch.amp's fused row) or to torch.amp compiled (compiled rows), then the same for the
+best round (on a shared machine, where other processes slow some rounds several-fold, the best
+rounds show what a step costs on its own):
 
   fp32                    plain float32 training, torch.optim.AdamW (no autocast, no scaler)
   torch.amp eager         torch.autocast + GradScaler + torch.optim.AdamW (its default, a loop
                           over the params, on a CPU; fused=True on CUDA)
+  torch.amp eager, fused  CPU only: the same with AdamW(fused=True), one kernel for every param
+                          that takes the scale and the inf flag
   torch.amp compiled      torch.compile(model) under torch.autocast + GradScaler + AdamW(fused=True),
                           which takes the scale and the inf flag into its kernel: the peer of
                           compiled fmp, as torch.amp loops are compiled (the model; GradScaler
                           and the optimizer run eager)
   fmp eager               fmp.train_step, eager, with the device's own rules ("cpu" on a CPU runs
                           the loss function inside torch.autocast("cpu") itself)
+  fmp eager, fused        the same with fmp.optim.adamw(fused=True): torch's fused kernel, which
+                          skips inside itself; its ratio is to torch.amp eager, fused on a CPU
   fmp eager, cuda rules   CPU only: the default rules ("cuda"), applied op by op by fmp.autocast's
                           Python mode
   fmp compiled            fmp.train_step under torch.compile(fullgraph=True), the device's rules
@@ -83,6 +88,7 @@ SIZES: dict[str, dict[str, tuple[dict[str, int], dict[str, int]]]] = {
     },
 }
 EAGER_REF, COMPILED_REF = "torch.amp eager", "torch.amp compiled"  # the rows ratios divide by
+FUSED_REF = "torch.amp eager, fused"  # CPU: the peer of fmp's fused optimizer (CUDA's eager row is fused)
 
 
 @dataclasses.dataclass
@@ -90,16 +96,19 @@ class Contender:
     step: Callable[[Batch], torch.Tensor]  # one training step; returns the loss (on device)
     state: Callable[[], Any]  # what the contender keeps between steps
     compiled: bool = False
+    reference: str = EAGER_REF  # the torch.amp row its ratios divide by
     first_call: float = 0.0  # seconds of the first step, compile included
     graphs: int = 0  # graphs Dynamo compiled in this contender's calls (a recompile adds one)
     times: list[float] = dataclasses.field(default_factory=list)  # seconds per step, one per round
     loss: float = float("nan")
 
 
-def torch_contender(model: nn.Module, dtype: torch.dtype, *, amp: bool, compiled: bool) -> Contender:
+def torch_contender(
+    model: nn.Module, dtype: torch.dtype, *, amp: bool, compiled: bool, fused: bool = False
+) -> Contender:
     device_type = next(model.parameters()).device.type
     params = [p for p in model.parameters() if p.requires_grad]
-    fused = True if compiled or device_type == "cuda" else None
+    fused = True if fused or compiled or device_type == "cuda" else None
     optimizer = torch.optim.AdamW(params, lr=LR, fused=fused)
     scaler = torch.amp.GradScaler(device_type, enabled=amp)
     forward = torch.compile(model) if compiled else model
@@ -113,10 +122,13 @@ def torch_contender(model: nn.Module, dtype: torch.dtype, *, amp: bool, compiled
         scaler.update()
         return loss.detach()
 
-    return Contender(step, lambda: (params, optimizer.state, scaler.state_dict()), compiled)
+    reference = COMPILED_REF if compiled else EAGER_REF
+    return Contender(step, lambda: (params, optimizer.state, scaler.state_dict()), compiled, reference)
 
 
-def fmp_contender(model: nn.Module, dtype: torch.dtype, rules: str, *, mode: str | None) -> Contender:
+def fmp_contender(
+    model: nn.Module, dtype: torch.dtype, rules: str, *, mode: str | None, fused: bool = False
+) -> Contender:
     """fmp.train_step: `mode` None (eager), "compiled" or "donated" (compiled, donate=True)."""
     device = next(model.parameters()).device
     params, buffers = fmp.nn.split(model)
@@ -126,7 +138,7 @@ def fmp_contender(model: nn.Module, dtype: torch.dtype, rules: str, *, mode: str
 
     compute = str(dtype).removeprefix("torch.")
     policy = fmp.get_policy(f"params=float32,compute={compute},output=float32,rules={rules}")
-    optimizer = fmp.optim.adamw(LR)
+    optimizer = fmp.optim.adamw(LR, fused=fused)
     scaler = fmp.DynamicLossScale.create(device=device)
     state = fmp.TrainState.create(params, optimizer, scaler, model_state=buffers)
     train_step: Callable[..., tuple[fmp.TrainState, fmp.StepInfo]] = functools.partial(
@@ -140,7 +152,9 @@ def fmp_contender(model: nn.Module, dtype: torch.dtype, rules: str, *, mode: str
         state, info = train_step(state, *batch)
         return info.loss  # type: ignore[no-any-return]
 
-    return Contender(step, lambda: state, compiled=mode is not None)
+    compiled = mode is not None
+    reference = COMPILED_REF if compiled else FUSED_REF if fused and device.type == "cpu" else EAGER_REF
+    return Contender(step, lambda: state, compiled, reference)
 
 
 def build_contenders(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[str, Contender]:
@@ -156,6 +170,9 @@ def build_contenders(model: nn.Module, device: torch.device, dtype: torch.dtype)
         COMPILED_REF: torch_contender(fresh(), dtype, amp=True, compiled=True),
         "fmp eager": fmp_contender(fresh(), dtype, rules, mode=None),
     }
+    if device.type == "cpu":
+        contenders[FUSED_REF] = torch_contender(fresh(), dtype, amp=True, compiled=False, fused=True)
+    contenders["fmp eager, fused"] = fmp_contender(fresh(), dtype, rules, mode=None, fused=True)
     if device.type == "cpu":
         contenders["fmp eager, cuda rules"] = fmp_contender(fresh(), dtype, "cuda", mode=None)
     contenders["fmp compiled"] = fmp_contender(fresh(), dtype, rules, mode="compiled")
@@ -180,11 +197,6 @@ def run_steps(contender: Contender, batches: list[Batch], device: torch.device) 
     contender.graphs += counters["stats"]["unique_graphs"] - graphs
     contender.loss = float(loss)
     return seconds
-
-
-def ref_label(contender: Contender) -> str:
-    """The torch.amp row a contender's ratios divide by."""
-    return COMPILED_REF if contender.compiled else EAGER_REF
 
 
 def gpu_peak_bytes(contender: Contender, batch: Batch, device: torch.device) -> int:
@@ -224,11 +236,11 @@ def run_model(name: str, device: torch.device, dtype: torch.dtype, steps: int, r
     )
     rows = {}
     for label, c in contenders.items():
-        ref = contenders[ref_label(c)]
+        ref = contenders[c.reference]
         median, best = statistics.median(c.times), min(c.times)
         ratio, best_ratio = median / statistics.median(ref.times), best / min(ref.times)
         peak = (
-            f"{peaks[label] / 1e6:8.1f}  {peaks[label] / peaks[ref_label(c)]:9.2f}" if peaks else f"{'-':>8}  {'-':>9}"
+            f"{peaks[label] / 1e6:8.1f}  {peaks[label] / peaks[c.reference]:9.2f}" if peaks else f"{'-':>8}  {'-':>9}"
         )
         first = f"{c.first_call:6.1f} s, {c.graphs:>3}" if c.compiled else ""
         print(
@@ -240,7 +252,7 @@ def run_model(name: str, device: torch.device, dtype: torch.dtype, steps: int, r
             "ratio": ratio,
             "best_ms_per_step": best * 1e3,
             "best_ratio": best_ratio,
-            "reference": ref_label(c),
+            "reference": c.reference,
             "rounds_ms": [t * 1e3 for t in c.times],
             "peak_bytes": peaks.get(label),
             "first_call_s": c.first_call if c.compiled else None,
@@ -265,7 +277,7 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cpu" else "float16"))
     print(describe_machine(device) + f", compute {str(dtype).removeprefix('torch.')}")
-    print("ratio: time over torch.amp eager (eager rows) or torch.amp compiled (compiled rows)")
+    print("ratio: time over torch.amp eager (eager rows; fused over fused) or compiled (compiled rows)")
     results = {name: run_model(name, device, dtype, args.steps, args.rounds) for name in args.models}
     if args.json:
         machine = describe_machine(device)

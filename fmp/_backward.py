@@ -18,9 +18,11 @@ the way out.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
+from typing import NamedTuple
 
 import torch
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
@@ -28,7 +30,7 @@ from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 import fmp._pytree as pytree
 from fmp._tree import functorch_base
 
-__all__ = ["check_reads_no_module_parameters", "grad_and_aux", "tracked_leaves"]
+__all__ = ["Differentiated", "check_reads_no_module_parameters", "grad_and_aux", "tracked_leaves"]
 
 _SETUP_CONTEXT_ERROR = "must override the setup_context staticmethod"
 
@@ -97,14 +99,43 @@ def check_reads_no_module_parameters(loss: Any, args: Any) -> None:
             _raise_for_module_parameters(read)
 
 
-def _with_autograd(fn: Callable[..., tuple[torch.Tensor, Any]], params: Any, *args: Any) -> tuple[Any, Any]:
+class Differentiated(NamedTuple):
+    """What `grad_and_aux` returns."""
+
+    grads: Any
+    aux: Any
+    owned: frozenset[int]
+    """The ids of the gradient tensors that nothing but `grads` holds, which the caller may overwrite."""
+
+
+def _storage_use_count(x: torch.Tensor) -> int:
+    return int(torch._C._storage_Use_Count(x.untyped_storage()._cdata))
+
+
+def _sole_references(tensors: list[torch.Tensor]) -> frozenset[int]:
+    """The ids of the tensors that only `tensors` holds, once each, none sharing its storage with another tensor.
+
+    Counted against a probe held the same way, so the count does not depend on how the interpreter
+    counts its own references. A tensor listed twice, kept by the loss function (returned in aux,
+    saved by a custom backward that returned it), or a view of, or viewed by, another is not owned.
+    """
+    tensors.append(torch.empty(1))  # the probe, held by the list alone
+    counts = [sys.getrefcount(x) for x in tensors]
+    # Only plain strided tensors have a storage to count (a sparse gradient has none).
+    storages = [_storage_use_count(x) if type(x) is torch.Tensor and x.layout == torch.strided else -1 for x in tensors]
+    tensors.pop()
+    count, storage = counts.pop(), storages.pop()
+    return frozenset(id(x) for x, c, s in zip(tensors, counts, storages, strict=True) if c == count and s == storage)
+
+
+def _with_autograd(fn: Callable[..., tuple[torch.Tensor, Any]], params: Any, *args: Any) -> Differentiated:
     leaves, spec = pytree.tree_flatten(params)
     inputs = [leaf.detach().requires_grad_() for leaf in leaves]
     with torch.enable_grad():
         loss, aux = fn(pytree.tree_unflatten(inputs, spec), *args)
     if not loss.requires_grad:
         grads = [torch.zeros_like(x) for x in inputs]
-        return pytree.tree_unflatten(grads, spec), aux
+        return Differentiated(pytree.tree_unflatten(grads, spec), aux, frozenset())
     # A loss that also reaches tensors outside params that require grad (a captured learned
     # hyperparameter: a meta-gradient) needs the backward recorded, as torch.func.grad does.
     own = {id(x) for x in inputs}
@@ -113,12 +144,15 @@ def _with_autograd(fn: Callable[..., tuple[torch.Tensor, Any]], params: Any, *ar
     if read:
         _raise_for_module_parameters(read)
     record = bool(foreign)
-    found = torch.autograd.grad(loss, inputs, allow_unused=True, create_graph=record)
-    grads = [torch.zeros_like(x) if g is None else g for g, x in zip(found, inputs, strict=True)]
-    if not record:
-        # As torch.func.grad's aux: values, not a handle on this step's graph.
-        aux = pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
-    return pytree.tree_unflatten(grads, spec), aux
+    grads = list(torch.autograd.grad(loss, inputs, allow_unused=True, create_graph=record))
+    grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True)]
+    if record:
+        return Differentiated(pytree.tree_unflatten(grads, spec), aux, frozenset())
+    # As torch.func.grad's aux: values, not a handle on this step's graph.
+    aux = pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
+    del loss, inputs  # the graph and its saved tensors go before ownership is counted
+    owned = _sole_references(grads)
+    return Differentiated(pytree.tree_unflatten(grads, spec), aux, owned)
 
 
 def _needs_transform(args: Any) -> bool:
@@ -126,7 +160,7 @@ def _needs_transform(args: Any) -> bool:
     return any(isinstance(x, torch.Tensor) and x.requires_grad for x in pytree.tree_leaves(args))
 
 
-def grad_and_aux(fn: Callable[..., tuple[torch.Tensor, Any]], params: Any, *args: Any) -> tuple[Any, Any]:
+def grad_and_aux(fn: Callable[..., tuple[torch.Tensor, Any]], params: Any, *args: Any) -> Differentiated:
     """`torch.func.grad(fn, argnums=0, has_aux=True)(params, *args)`, by plain autograd where it can.
 
     Args:
@@ -136,7 +170,8 @@ def grad_and_aux(fn: Callable[..., tuple[torch.Tensor, Any]], params: Any, *args
             place) but are not differentiated.
 
     Returns:
-        `(grads, aux)`: the gradients in the structure of `params`, and `fn`'s aux.
+        A `Differentiated`: the gradients in the structure of `params`, `fn`'s aux, and which
+        gradients the caller alone holds (by plain autograd; none under torch.func).
 
     Raises:
         RuntimeError: Inside a torch.func transform, if the loss reaches an `autograd.Function`
@@ -145,7 +180,8 @@ def grad_and_aux(fn: Callable[..., tuple[torch.Tensor, Any]], params: Any, *args
     if not (torch.compiler.is_compiling() or _inside_transform() or _needs_transform(args)):
         return _with_autograd(fn, params, *args)
     try:
-        return torch.func.grad(fn, argnums=0, has_aux=True)(params, *args)  # type: ignore[no-any-return]
+        grads, aux = torch.func.grad(fn, argnums=0, has_aux=True)(params, *args)
+        return Differentiated(grads, aux, frozenset())
     except RuntimeError as error:
         if _SETUP_CONTEXT_ERROR not in str(error):
             raise

@@ -18,6 +18,7 @@ import torch
 import torch.utils._pytree as py_pytree
 
 import fmp._pytree as pytree
+from fmp._backward import Differentiated
 from fmp._backward import check_reads_no_module_parameters
 from fmp._backward import grad_and_aux
 from fmp._checks import check_bool
@@ -115,6 +116,10 @@ def _param_leaf_problem(leaf: Any) -> str | None:
 def _checked_leaves(params: Any, policy: Policy | None) -> torch.device | None:
     """Checks every leaf of `params` (and its dtype against `policy`'s, if given); returns their device."""
     leaves = pytree.tree_leaves(params)
+    if policy is not None and all(
+        type(x) is torch.Tensor and not x.requires_grad and x.dtype == policy.param_dtype for x in leaves
+    ):
+        return tree_accelerator_device(leaves)  # the usual params, passed without a look at each problem
     check_no_opaque_leaves(leaves, params, "params")
     for index, leaf in enumerate(leaves):
         problem = _param_leaf_problem(leaf)
@@ -320,7 +325,7 @@ def mixed_precision_grad(
         losses = loss if isinstance(scaler, tuple) else (loss,)
         return tuple(s.scale(x) for s, x in zip(scalers, losses, strict=True)), (loss, aux)
 
-    def grad_of_loss(index: int) -> tuple[Any, tuple[Any, Any]]:
+    def grad_of_loss(index: int) -> Differentiated:
         def scaled_loss_fn(params: Any, *args: Any) -> tuple[torch.Tensor, tuple[Any, Any]]:
             scaled, loss_and_aux = scaled_losses_fn(params, *args)
             _warn_unless_depends_on_params(
@@ -333,17 +338,17 @@ def mixed_precision_grad(
         return grad_and_aux(scaled_loss_fn, params, *args)
 
     if not isinstance(scaler, tuple):
-        scaled_grads, (loss, aux) = grad_of_loss(0)
+        scaled_grads, (loss, aux), owned = grad_of_loss(0)
         check_reads_no_module_parameters(loss, args)
-        grads, grads_finite = unscale_and_check(scaler, scaled_grads)
+        grads, grads_finite = unscale_and_check(scaler, scaled_grads, owned)
         return Gradients(grads, grads_finite, loss, aux, grads_finite)
     # One forward and backward pass per loss. A shared forward with one vjp per loss would send a
     # zero cotangent through the other losses' backward, where a non-finite local derivative
     # (0 * inf = NaN) would poison this loss's gradients and back its scale off for another's overflow.
     per_loss, parts_finite = [], []
     for index, s in enumerate(scalers):
-        scaled_grads, (loss, aux) = grad_of_loss(index)
-        unscaled, finite = unscale_and_check(s, scaled_grads)
+        scaled_grads, (loss, aux), owned = grad_of_loss(index)
+        unscaled, finite = unscale_and_check(s, scaled_grads, owned)
         per_loss.append(unscaled)
         parts_finite.append(finite)
     check_reads_no_module_parameters(loss, args)

@@ -21,6 +21,9 @@ import fmp._pytree as pytree
 from fmp._checks import check_int
 from fmp._checks import check_real
 from fmp._donation import writable
+from fmp._scale_update import grad_scaler_update
+from fmp._scale_update import runs_grad_scaler_kernel
+from fmp._scale_update import scale_update
 from fmp._scale_values import FLOAT32_MAX
 from fmp._scale_values import FLOAT32_TINY
 from fmp._scale_values import checked_device
@@ -299,27 +302,22 @@ class DynamicLossScale(_TensorScale):
         """
         check_finite_flag(grads_finite)
         scale = self.loss_scale
-        tracker = self.growth_tracker + 1
+        factors = (self.growth_factor, self.backoff_factor, self.growth_interval)
         # Saturates rather than wrapping after 2**31 - 1 consecutive overflows.
         streak = self.overflow_streak.clamp(max=_INT32_MAX - 1) + 1
-        grow = grads_finite & (tracker >= self.growth_interval)
-        back_off = ~grads_finite & (streak >= self.hysteresis)
-        # torch's kernel multiplies the float scale by a double factor and rounds once to float; a
-        # float64 product of the two is that same double, so this is bit-identical to GradScaler.
-        scale64 = scale.double()
-        grown = (scale64 * self.growth_factor).float()
-        # GradScaler keeps the old scale when growing would overflow float32.
-        grown = torch.where(torch.isfinite(grown), grown, scale)
-        backed_off = (scale64 * self.backoff_factor).float()
-        new_scale = torch.where(grow, grown, torch.where(back_off, backed_off, scale))
-        zero = torch.zeros_like(tracker)
+        if self.hysteresis == 1 and runs_grad_scaler_kernel(scale, self.growth_tracker, grads_finite):
+            new_scale, tracker = grad_scaler_update(scale, self.growth_tracker, grads_finite, *factors)
+        else:
+            back_off = ~grads_finite & (streak >= self.hysteresis)
+            new_scale, tracker = scale_update(scale, self.growth_tracker, grads_finite, back_off, *factors)
+        zero = torch.zeros_like(self.growth_tracker)
         # torch.where, not clamp: clamp passes NaN through, and a NaN scale would skip every step.
         ok = scale_in_range(self)
         reset = torch.full_like(scale, min(max(RESET_SCALE, self.min_scale), self.max_scale))
         return replace(
             self,
             loss_scale=torch.where(ok, new_scale.clamp(self.min_scale, self.max_scale), reset),
-            growth_tracker=torch.where(ok & grads_finite & ~grow, tracker, zero),
+            growth_tracker=torch.where(ok, tracker, zero),
             overflow_streak=torch.where(ok & ~grads_finite, streak, zero),
         )
 

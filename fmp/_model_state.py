@@ -78,4 +78,8 @@ def settle_model_state(new_model_state: Any, model_state: Any) -> Any:
     A policy that casts whole (rules None) hands the loss function the model state in the compute
     dtype; what comes back is stored in the dtypes the state keeps.
     """
-    return pytree.tree_map(lambda new, old: new.to(old.dtype), new_model_state, model_state)
+    new_leaves, spec = pytree.tree_flatten(new_model_state)
+    leaves = pytree.tree_leaves(model_state)
+    if all(new.dtype == old.dtype for new, old in zip(new_leaves, leaves, strict=True)):
+        return new_model_state
+    return pytree.tree_unflatten([new.to(old.dtype) for new, old in zip(new_leaves, leaves, strict=True)], spec)

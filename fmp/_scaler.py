@@ -30,6 +30,7 @@ from fmp._checks import check_bool
 from fmp._checks import check_real
 from fmp._donation import check_distinct
 from fmp._donation import donate_into
+from fmp._donation import writable
 from fmp._donation import writes_in_place
 from fmp._loss_scale import DynamicLossScale
 from fmp._loss_scale import LossScale
@@ -79,12 +80,17 @@ class Unscaled(NamedTuple, Generic[Tree, ScaleT]):
     scaler: ScaleT
 
 
-def unscale_and_check(scaler: LossScale, scaled_grads: Any) -> tuple[Any, torch.Tensor]:
-    """`(scaler.unscale(scaled_grads), all_finite(...))` of gradients the caller made and owns.
+def unscale_and_check(
+    scaler: LossScale, scaled_grads: Any, owned: frozenset[int] = frozenset()
+) -> tuple[Any, torch.Tensor]:
+    """`(scaler.unscale(scaled_grads), all_finite(...))` of gradients the caller made.
 
     Args:
         scaler: One loss-scale state.
         scaled_grads: Gradients of the scaled loss, which nobody else holds.
+        owned: The ids of the gradient tensors the caller alone holds (`Differentiated.owned`):
+            eager, these are unscaled in place, where fresh memory for the results could cost the
+            allocator a page fault per page.
 
     Returns:
         `(grads, grads_finite)`, bit for bit those of `unscale` and `all_finite`.
@@ -94,7 +100,19 @@ def unscale_and_check(scaler: LossScale, scaled_grads: Any) -> tuple[Any, torch.
     if not (tensor_scale and takes_foreach(leaves, scaler.loss_scale.device)):
         grads = scaler.unscale(scaled_grads)
         return grads, all_finite(grads)
-    unscaled = list(torch._foreach_mul(leaves, inverse_scale(scaler.loss_scale)))
+    inverse = inverse_scale(scaler.loss_scale)
+    in_place = [x for x in leaves if id(x) in owned and writable(x)] if owned else []
+    if len(in_place) == len(leaves):
+        torch._foreach_mul_(leaves, inverse)
+        return scaled_grads, _finite(leaves)
+    if in_place:
+        torch._foreach_mul_(in_place, inverse)
+        written = {id(x) for x in in_place}
+        rest = [x for x in leaves if id(x) not in written]
+        unscaled_rest = iter(torch._foreach_mul(rest, inverse))
+        unscaled = [x if id(x) in written else next(unscaled_rest) for x in leaves]
+    else:
+        unscaled = list(torch._foreach_mul(leaves, inverse))
     return pytree.tree_unflatten(unscaled, spec), _finite(unscaled)
 
 

@@ -219,3 +219,7 @@ def check_optimizer(optimizer: Any) -> None:
         raise TypeError(
             f"optimizer must be an fmp.optim.Optimizer (e.g. fmp.optim.adamw()), got {type(optimizer).__name__}"
         )
+    if optimizer.masked_update is not None and not callable(optimizer.masked_update):
+        raise TypeError(
+            f"optimizer.masked_update must be a function or None, got {type(optimizer.masked_update).__name__}"
+        )

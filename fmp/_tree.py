@@ -134,7 +134,10 @@ def tree_accelerator_device(tree: Any) -> torch.device | None:
     Where per-leaf results gather: collecting them there never copies from an accelerator to the host.
     """
     tensors = [x for x in pytree.tree_iter(tree) if isinstance(x, torch.Tensor)]
-    return next((x.device for x in tensors if x.device.type != "cpu"), tensors[0].device if tensors else None)
+    for x in tensors:
+        if not x.is_cpu:  # a property read, where `.device` builds a device object per leaf
+            return x.device
+    return tensors[0].device if tensors else None
 
 
 def cast_floating(tree: Tree, dtype: torch.dtype) -> Tree:

@@ -465,3 +465,30 @@ def test_states_build_on_the_meta_device_for_shape_only_runs() -> None:
 def test_adjust_rejects_a_flag_that_is_not_a_0_dim_bool(state: fmp.LossScale, flag: object, error: type) -> None:
     with pytest.raises(error, match="grads_finite must be a 0-dim bool tensor"):
         state.adjust(flag)  # type: ignore[arg-type]
+
+
+@given(
+    scale=st.one_of(st.floats(width=32, allow_nan=True, allow_infinity=True), st.sampled_from([0.0, 2.0**-149])),
+    tracker=st.integers(-5, 40),
+    streak=st.integers(0, 2**31 - 1),
+    interval=st.integers(1, 30),
+    growth=st.sampled_from([2.0, 1.5, 3.0, 1e30]),
+    backoff=st.sampled_from([0.5, 0.25, 0.9]),
+    finite=st.booleans(),
+)
+def test_grad_scalers_update_kernel_and_the_pure_update_agree_on_any_state(
+    scale: float, tracker: int, streak: int, interval: int, growth: float, backoff: float, finite: bool
+) -> None:
+    """Eager adjust runs GradScaler's kernel; compiled and under transforms the pure ops: the same bits."""
+    base = DynamicLossScale.create(growth_factor=growth, backoff_factor=backoff, growth_interval=interval)
+    state = replace(
+        base,
+        loss_scale=torch.tensor(scale, dtype=torch.float32),
+        growth_tracker=torch.tensor(tracker, dtype=torch.int32),
+        overflow_streak=torch.tensor(streak, dtype=torch.int32),
+    )
+    flag = torch.tensor(finite)
+    kernel = state.adjust(flag)
+    pure = torch.func.vmap(lambda f: state.adjust(f))(flag.unsqueeze(0))  # no kernel under vmap
+    for field in ("loss_scale", "growth_tracker", "overflow_streak"):
+        assert torch.equal(bits(getattr(kernel, field)), bits(getattr(pure, field)[0])), field

@@ -32,4 +32,13 @@ planned = torch.compile(
 )
 state, info = planned(state, torch.randn(32, 64), torch.randn(32, 1))
 # --8<-- [end:planned]
+# --8<-- [start:eager]
+# Eager: torch's fused AdamW kernel skips an overflowing step by itself, with no select pass after it;
+# donated, it writes into the state's own buffers, as torch.optim.AdamW(fused=True) does.
+fused = fmp.optim.adamw(1e-3, fused=True)
+eager_state = fmp.TrainState.create({k: v.clone() for k, v in params.items()}, fused, fmp.DynamicLossScale.create())
+eager_state, info = fmp.train_step(
+    loss_fn, eager_state, torch.randn(32, 64), torch.randn(32, 1), policy=policy, optimizer=fused, donate=True
+)
+# --8<-- [end:eager]
 print(int(state.opt_state.step), float(info.loss_scale))

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fmp.nn._swap import swapped_call
+
 __all__ = ["call", "split", "write_back"]
 
 
@@ -59,8 +61,9 @@ def call(
 ) -> tuple[Any, dict[str, torch.Tensor]]:
     """Calls `module(*args, **kwargs)` with `params` and `buffers` in place of its own; returns the buffers after.
 
-    `torch.func.functional_call` with both dicts: a train-mode BatchNorm updates the running
-    statistics in `buffers` in place, and they are returned as the model's new state. In a step
+    As `torch.func.functional_call` with both dicts: a train-mode BatchNorm updates the running
+    statistics in `buffers` in place, and they are returned as the model's new state, as is a
+    buffer the module assigns anew (`self.count = self.count + 1`). In a step
     the buffers are the step's own copies (see `fmp.train_step`); called elsewhere, pass copies
     to keep yours. Names missing from both dicts (frozen params, non-persistent buffers) are
     read from the module; tied weights follow the name `split` gave them.
@@ -82,14 +85,10 @@ def call(
     shared = params.keys() & buffers.keys()
     if shared:
         raise TypeError(f"fmp.nn.call: {sorted(shared)[0]!r} is both in params and in buffers")
-    try:
-        output = torch.func.functional_call(module, (params, buffers), args, kwargs, tie_weights=True, strict=False)
-    finally:
-        # An RNN caches its weights in `_flat_weights`, which the call left on the tensors it was
-        # given: compiled, the next trace would read the last step's (a transform's wrappers).
-        for submodule in module.modules():
-            if isinstance(submodule, nn.RNNBase):
-                submodule._init_flat_weights()
+    output, reassigned = swapped_call(module, {**params, **buffers}, args, kwargs)
+    if any(name in buffers for name in reassigned):
+        # A module that assigns a new tensor to a buffer (`self.count = self.count + 1`) returns it too.
+        buffers = {name: reassigned.get(name, tensor) for name, tensor in buffers.items()}
     return output, buffers
 
 

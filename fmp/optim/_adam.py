@@ -11,10 +11,12 @@ import torch
 import torch.utils._pytree as py_pytree
 
 import fmp._pytree as pytree
+from fmp._checks import check_bool
 from fmp._checks import check_real
 from fmp._donation import writes_in_place
 from fmp._optimizer import Optimizer
 from fmp._struct import serializable_namedtuple
+from fmp._tree import select_tree
 from fmp._tree import takes_foreach
 from fmp.optim._base import LearningRate
 from fmp.optim._base import check_lr
@@ -27,6 +29,10 @@ from fmp.optim._base import scheduled_lr
 from fmp.optim._base import step_counter
 from fmp.optim._base import tree_zeros_like
 from fmp.optim._base import unflatten_as
+from fmp.optim._fused import copies
+from fmp.optim._fused import group_by_device_and_dtype
+from fmp.optim._fused import runs_fused
+from fmp.optim._fused import skip_flag
 
 __all__ = ["AdamState", "adam", "adamw"]
 
@@ -89,9 +95,10 @@ def _check_dense(name: str, grads: Any, grad_leaves: list[Any]) -> None:
 
 
 def _adam(
-    lr: LearningRate, betas: tuple[float, float], eps: float, weight_decay: float, *, decoupled: bool
+    lr: LearningRate, betas: tuple[float, float], eps: float, weight_decay: float, *, decoupled: bool, fused: bool
 ) -> Optimizer:
     name = "adamw" if decoupled else "adam"
+    fused = check_bool("fused", fused)
     lr = check_lr(lr)
     if not isinstance(betas, tuple | list) or len(betas) != 2:
         raise TypeError(f"betas must be a pair of floats, got {betas!r}")
@@ -202,11 +209,71 @@ def _adam(
         new_state = AdamState(step, unflatten_as(exp_avg, spec, specs[1]), unflatten_as(exp_avg_sq, spec, specs[2]))
         return pytree.tree_unflatten(new_params, spec), new_state
 
-    return Optimizer(init, update)
+    if not fused:
+        return Optimizer(init, update)
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+
+    def masked_update(
+        grads: Any, state: AdamState, params: Any, applied: torch.Tensor | None, in_place: bool
+    ) -> tuple[Any, AdamState]:
+        check_state(name, state, AdamState)
+        trees = {"grads": grads, "opt_state.exp_avg": state.exp_avg, "opt_state.exp_avg_sq": state.exp_avg_sq}
+        spec, param_leaves, (grad_leaves, exp_avg_leaves, exp_avg_sq_leaves), specs = leaves_like_params(
+            name, params, trees
+        )
+        if not runs_fused(param_leaves, grad_leaves, state, in_place=in_place):
+            updated = update(grads, state, params)
+            return updated if applied is None else select_tree(applied, updated, (params, state))
+        _check_eps_in_param_dtypes(name, eps, params, param_leaves)
+        _check_dense(name, grads, grad_leaves)
+        lr_now = scheduled_lr(lr, state.step)
+        lr_now = lr_now.double() if isinstance(lr_now, torch.Tensor) else lr_now
+        if not in_place:
+            param_leaves, exp_avg_leaves, exp_avg_sq_leaves = (
+                copies(param_leaves),
+                copies(exp_avg_leaves),
+                copies(exp_avg_sq_leaves),
+            )
+        # The kernel reads the step for its bias corrections as torch.optim keeps it: a float32 count.
+        counted = (state.step + 1).float()
+        found_inf = skip_flag(applied)
+        for group in group_by_device_and_dtype(param_leaves):
+            kernel(
+                [param_leaves[i] for i in group],
+                [grad_leaves[i] for i in group],
+                [exp_avg_leaves[i] for i in group],
+                [exp_avg_sq_leaves[i] for i in group],
+                [],
+                [counted] * len(group),
+                lr=lr_now,
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=weight_decay,
+                eps=eps,
+                amsgrad=False,
+                maximize=False,
+                grad_scale=None,
+                found_inf=found_inf,
+            )
+        step = state.step + 1 if applied is None else state.step + applied.to(state.step.dtype)
+        new_state = AdamState(
+            step, unflatten_as(exp_avg_leaves, spec, specs[1]), unflatten_as(exp_avg_sq_leaves, spec, specs[2])
+        )
+        return pytree.tree_unflatten(param_leaves, spec), new_state
+
+    def fused_update(grads: Any, state: AdamState, params: Any) -> tuple[Any, AdamState]:
+        return masked_update(grads, state, params, None, False)
+
+    return Optimizer(init, fused_update, masked_update)
 
 
 def adam(
-    lr: LearningRate = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0
+    lr: LearningRate = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    fused: bool = False,
 ) -> Optimizer:
     """Adam with L2 weight decay folded into the gradient, as `torch.optim.Adam`.
 
@@ -217,6 +284,12 @@ def adam(
         betas: Decay rates of the first and second moment estimates, each in [0, 1).
         eps: Added to the denominator, > 0 (also once rounded to float32).
         weight_decay: L2 penalty, >= 0.
+        fused: Run torch's fused kernel eager, as `torch.optim.Adam(fused=True)`: one call for
+            every tensor, results bit for bit that optimizer's (which differ from `fused=False`'s
+            in the last bits), and a skipped step handled inside the kernel instead of by a
+            select. Under torch.compile or `torch.func` transforms, and for tensors the kernel
+            does not take (complex ones), the update is `fused=False`'s. See
+            [Performance and memory tuning](../how-to/performance-tuning.md).
 
     Returns:
         The optimizer; its state is an `AdamState`.
@@ -226,11 +299,16 @@ def adam(
             schedule must return a 0-dim floating tensor (checked when `update` runs) and a finite
             lr >= 0 at counts 0 and 1 (checked by `init`, which syncs with the host to read them).
     """
-    return _adam(lr, betas, eps, weight_decay, decoupled=False)
+    return _adam(lr, betas, eps, weight_decay, decoupled=False, fused=fused)
 
 
 def adamw(
-    lr: LearningRate = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2
+    lr: LearningRate = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    *,
+    fused: bool = False,
 ) -> Optimizer:
     """AdamW (decoupled weight decay), as `torch.optim.AdamW`.
 
@@ -241,6 +319,12 @@ def adamw(
         betas: Decay rates of the first and second moment estimates, each in [0, 1).
         eps: Added to the denominator, > 0 (also once rounded to float32).
         weight_decay: Decoupled weight decay, >= 0.
+        fused: Run torch's fused kernel eager, as `torch.optim.AdamW(fused=True)`: one call for
+            every tensor, results bit for bit that optimizer's (which differ from `fused=False`'s
+            in the last bits), and a skipped step handled inside the kernel instead of by a
+            select. Under torch.compile or `torch.func` transforms, and for tensors the kernel
+            does not take (complex ones), the update is `fused=False`'s. See
+            [Performance and memory tuning](../how-to/performance-tuning.md).
 
     Returns:
         The optimizer; its state is an `AdamState`.
@@ -250,4 +334,4 @@ def adamw(
             schedule must return a 0-dim floating tensor (checked when `update` runs) and a finite
             lr >= 0 at counts 0 and 1 (checked by `init`, which syncs with the host to read them).
     """
-    return _adam(lr, betas, eps, weight_decay, decoupled=True)
+    return _adam(lr, betas, eps, weight_decay, decoupled=True, fused=fused)

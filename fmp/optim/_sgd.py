@@ -13,6 +13,7 @@ from fmp._checks import check_bool
 from fmp._checks import check_real
 from fmp._optimizer import Optimizer
 from fmp._struct import serializable_namedtuple
+from fmp._tree import select_tree
 from fmp.optim._base import LearningRate
 from fmp.optim._base import check_lr
 from fmp.optim._base import check_optimizable_params
@@ -24,6 +25,10 @@ from fmp.optim._base import scheduled_lr
 from fmp.optim._base import step_counter
 from fmp.optim._base import tree_zeros_like
 from fmp.optim._base import unflatten_as
+from fmp.optim._fused import copies
+from fmp.optim._fused import group_by_device_and_dtype
+from fmp.optim._fused import runs_fused
+from fmp.optim._fused import skip_flag
 
 __all__ = ["SgdState", "sgd"]
 
@@ -80,6 +85,7 @@ def sgd(
     dampening: float = 0.0,
     nesterov: bool = False,
     weight_decay: float = 0.0,
+    fused: bool = False,
 ) -> Optimizer:
     """SGD with optional momentum, Nesterov momentum and L2 weight decay, as `torch.optim.SGD`.
 
@@ -103,6 +109,13 @@ def sgd(
         dampening: Dampening of momentum in [0, 1].
         nesterov: Use Nesterov momentum (needs momentum > 0 and dampening 0, as torch).
         weight_decay: L2 penalty added to the gradient, >= 0.
+        fused: Run torch's fused kernel eager, as `torch.optim.SGD(fused=True)`: one call for
+            every tensor, results bit for bit that optimizer's, and a skipped step handled inside
+            the kernel instead of by a select. Without momentum only (torch's fused kernel seeds
+            momentum buffers by a flag read on the host). Under torch.compile or `torch.func`
+            transforms, and for tensors the kernel does not take (complex or sparse ones), the
+            update is `fused=False`'s. See
+            [Performance and memory tuning](../how-to/performance-tuning.md).
 
     Returns:
         The optimizer.
@@ -121,6 +134,12 @@ def sgd(
     nesterov = check_bool("nesterov", nesterov)
     if nesterov and (momentum == 0.0 or dampening != 0.0):
         raise ValueError("nesterov momentum needs momentum > 0 and dampening == 0")
+    fused = check_bool("fused", fused)
+    if fused and momentum:
+        raise ValueError(
+            f"sgd(fused=True) takes momentum=0, got momentum={momentum}: torch's fused kernel seeds its momentum "
+            f"buffers by a flag read on the host, which a step cannot do without a sync; use fused=False"
+        )
 
     def direction(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         return torch.add(grad, param, alpha=weight_decay) if weight_decay else grad
@@ -145,7 +164,23 @@ def sgd(
             ]
             return pytree.tree_unflatten(new_params, spec), state
 
-        return Optimizer(init_stateless, update_stateless)
+        if not fused:
+            return Optimizer(init_stateless, update_stateless)
+
+        def masked_stateless(
+            grads: Any, state: tuple[()], params: Any, applied: torch.Tensor | None, in_place: bool
+        ) -> tuple[Any, tuple[()]]:
+            spec, param_leaves, (grad_leaves,), _ = leaves_like_params("sgd", params, {"grads": grads})
+            if not (type(state) is tuple and not state) or not runs_fused(param_leaves, grad_leaves, in_place=in_place):
+                updated = update_stateless(grads, state, params)
+                return updated if applied is None else select_tree(applied, updated, (params, state))
+            new_params = _fused_descent(param_leaves, grad_leaves, fixed_lr, weight_decay, applied, in_place)
+            return pytree.tree_unflatten(new_params, spec), state
+
+        def fused_stateless(grads: Any, state: tuple[()], params: Any) -> tuple[Any, tuple[()]]:
+            return masked_stateless(grads, state, params, None, False)
+
+        return Optimizer(init_stateless, fused_stateless, masked_stateless)
 
     name = "sgd with momentum" if momentum else "sgd with an lr schedule"
 
@@ -186,4 +221,52 @@ def sgd(
         new_params = [new_param(*leaves) for leaves in zip(grad_leaves, param_leaves, buffers, strict=True)]
         return pytree.tree_unflatten(new_params, spec), SgdState(state.step + 1, unflatten_as(buffers, spec, specs[1]))
 
-    return Optimizer(init, update)
+    if not fused:
+        return Optimizer(init, update)
+
+    def masked_update(
+        grads: Any, state: SgdState, params: Any, applied: torch.Tensor | None, in_place: bool
+    ) -> tuple[Any, SgdState]:
+        check_state(name, state, SgdState)
+        spec, param_leaves, (grad_leaves,), _ = leaves_like_params(name, params, {"grads": grads})
+        if pytree.tree_leaves(state.momentum) or not runs_fused(param_leaves, grad_leaves, state, in_place=in_place):
+            updated = update(grads, state, params)
+            return updated if applied is None else select_tree(applied, updated, (params, state))
+        lr_now = scheduled_lr(lr, state.step)
+        new_params = _fused_descent(param_leaves, grad_leaves, lr_now, weight_decay, applied, in_place)
+        step = state.step + 1 if applied is None else state.step + applied.to(state.step.dtype)
+        return pytree.tree_unflatten(new_params, spec), SgdState(step, state.momentum)
+
+    def fused_update(grads: Any, state: SgdState, params: Any) -> tuple[Any, SgdState]:
+        return masked_update(grads, state, params, None, False)
+
+    return Optimizer(init, fused_update, masked_update)
+
+
+def _fused_descent(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    lr: float | torch.Tensor,
+    weight_decay: float,
+    applied: torch.Tensor | None,
+    in_place: bool,
+) -> list[torch.Tensor]:
+    """The fused SGD step without momentum, on copies of `params` unless `in_place`; skipped unless `applied`."""
+    params = params if in_place else copies(params)
+    found_inf = skip_flag(applied)
+    for group in group_by_device_and_dtype(params):
+        torch._fused_sgd_(
+            [params[i] for i in group],
+            [grads[i] for i in group],
+            [],
+            weight_decay=weight_decay,
+            momentum=0.0,
+            lr=lr,
+            dampening=0.0,
+            nesterov=False,
+            maximize=False,
+            is_first_step=False,
+            grad_scale=None,
+            found_inf=found_inf,
+        )
+    return params

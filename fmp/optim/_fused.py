@@ -1,0 +1,61 @@
+"""torch's fused optimizer kernels behind fmp's pure optimizers (`fused=True`).
+
+torch's fused Adam, AdamW and SGD kernels update every tensor in one call and take the mixed-precision
+skip as a tensor (`found_inf`): on a skipped step they leave their inputs as they were, so the step
+needs no select pass over the params and optimizer state. They write in place, so fmp runs them on
+copies, or, when the step's state is donated, on the state's own tensors. Their numerics are those
+of `torch.optim.AdamW(fused=True)` (and Adam's, SGD's), which round differently from the
+single-tensor and foreach forms in the last bits.
+
+Eager only: under torch.compile or a `torch.func` transform (which have no rule for these kernels)
+the optimizer takes its pure form, with the numerics of `fused=False`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fmp._donation import writable
+from fmp._donation import writes_in_place
+
+__all__ = ["FUSED_DTYPES", "copies", "group_by_device_and_dtype", "runs_fused", "skip_flag"]
+
+FUSED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+_FUSED_DEVICES = frozenset({"cpu", "cuda"})
+
+
+def runs_fused(params: list[Any], grads: list[Any], *trees: Any, in_place: bool) -> bool:
+    """Whether the fused kernel can take these leaves now: eager, plain dense tensors of a fused dtype.
+
+    Not while compiling or under a `torch.func` transform, nor where autograd records a leaf (a
+    meta-gradient through the step), nor for complex or sparse tensors, tensor subclasses, or
+    devices without the kernels; with `in_place`, every written tensor must be `writable`.
+    """
+    if not params or not writes_in_place(params, grads, trees):
+        return False
+    for x in params:
+        if type(x) is not torch.Tensor or x.dtype not in FUSED_DTYPES or x.device.type not in _FUSED_DEVICES:
+            return False
+        if in_place and not writable(x):
+            return False
+    return all(type(g) is torch.Tensor and g.layout == torch.strided for g in grads)
+
+
+def copies(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """New tensors holding `leaves`' values bit for bit, for the kernel to write instead of the originals."""
+    return [x.clone() for x in leaves]
+
+
+def skip_flag(applied: torch.Tensor | None) -> torch.Tensor | None:
+    """The `found_inf` the kernels take: 1.0 where the step is skipped, 0.0 where applied (None: always applied)."""
+    return None if applied is None else (~applied).float()
+
+
+def group_by_device_and_dtype(params: list[torch.Tensor]) -> list[list[int]]:
+    """The indices of `params` in groups of one device and dtype, each group one kernel call (as torch groups them)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for index, param in enumerate(params):
+        groups.setdefault((param.device, param.dtype), []).append(index)
+    return list(groups.values())
