@@ -102,17 +102,12 @@ def unscale_and_check(
         return grads, all_finite(grads)
     inverse = inverse_scale(scaler.loss_scale)
     in_place = [x for x in leaves if id(x) in owned and writable(x)] if owned else []
-    if len(in_place) == len(leaves):
-        torch._foreach_mul_(leaves, inverse)
-        return scaled_grads, _finite(leaves)
     if in_place:
         torch._foreach_mul_(in_place, inverse)
-        written = {id(x) for x in in_place}
-        rest = [x for x in leaves if id(x) not in written]
-        unscaled_rest = iter(torch._foreach_mul(rest, inverse))
-        unscaled = [x if id(x) in written else next(unscaled_rest) for x in leaves]
-    else:
-        unscaled = list(torch._foreach_mul(leaves, inverse))
+    written = {id(x) for x in in_place}
+    rest = [x for x in leaves if id(x) not in written]
+    fresh = iter(torch._foreach_mul(rest, inverse) if rest else ())
+    unscaled = [x if id(x) in written else next(fresh) for x in leaves]
     return pytree.tree_unflatten(unscaled, spec), _finite(unscaled)
 
 

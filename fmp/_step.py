@@ -268,26 +268,23 @@ def train_step(
         raise TypeError(f"state.accumulator must be () or a GradientAccumulator, got {type(accumulator).__name__}")
     norm: torch.Tensor | tuple[()] = global_norm(grads).to(grads_finite.device) if grad_norm else ()
     bad_update = torch.zeros_like(applied)
-    if optimizer.masked_update is not None and not check_update:
-        # The optimizer skips by itself (a fused kernel's found_inf): no select pass after it.
-        writes_eagerly = donate and writes_in_place(grads, (params, opt_state))
-        if writes_eagerly or (donate and torch.compiler.is_compiling()):
-            loss, aux = copy_aliases((loss, aux), state)
-        new_params, new_opt_state = optimizer.masked_update(grads, opt_state, params, applied, writes_eagerly)
+    # An optimizer with a masked update skips by itself (a fused kernel's found_inf): no select after it.
+    masked_update = None if check_update else optimizer.masked_update
+    updated: Any = optimizer.update(grads, opt_state, params) if masked_update is None else None
+    if check_update:
+        update_finite = all_finite(updated)
+        bad_update = applied & ~update_finite
+        applied = applied & update_finite
+    writes_eagerly = donate and writes_in_place(updated if masked_update is None else grads, (params, opt_state))
+    if writes_eagerly or (donate and torch.compiler.is_compiling()):
+        # The loss and aux the step returns keep their values when the state's buffers are written.
+        loss, aux = copy_aliases((loss, aux), state)
+    if masked_update is not None:
+        new_params, new_opt_state = masked_update(grads, opt_state, params, applied, writes_eagerly)
+    elif writes_eagerly:
+        new_params, new_opt_state = select_into(applied, updated, (params, opt_state))
     else:
-        updated = optimizer.update(grads, opt_state, params)
-        if check_update:
-            update_finite = all_finite(updated)
-            bad_update = applied & ~update_finite
-            applied = applied & update_finite
-        writes_eagerly = donate and writes_in_place(updated, (params, opt_state))
-        if writes_eagerly or (donate and torch.compiler.is_compiling()):
-            # The loss and aux the step returns keep their values when the state's buffers are written.
-            loss, aux = copy_aliases((loss, aux), state)
-        if writes_eagerly:
-            new_params, new_opt_state = select_into(applied, updated, (params, opt_state))
-        else:
-            new_params, new_opt_state = select_tree(applied, updated, (params, opt_state))
+        new_params, new_opt_state = select_tree(applied, updated, (params, opt_state))
     counts = state.counts.advance(stepped, applied, _stalled(scaler, step_per_loss), bad_scale, bad_update)
     # Model state moves on a skipped step too, as a module's buffers do under torch.amp.
     new_state = TrainState(new_params, new_opt_state, new_scaler, counts, accumulator, new_model_state)

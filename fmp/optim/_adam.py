@@ -16,7 +16,6 @@ from fmp._checks import check_real
 from fmp._donation import writes_in_place
 from fmp._optimizer import Optimizer
 from fmp._struct import serializable_namedtuple
-from fmp._tree import select_tree
 from fmp._tree import takes_foreach
 from fmp.optim._base import LearningRate
 from fmp.optim._base import check_lr
@@ -33,6 +32,7 @@ from fmp.optim._fused import copies
 from fmp.optim._fused import group_by_device_and_dtype
 from fmp.optim._fused import runs_fused
 from fmp.optim._fused import skip_flag
+from fmp.optim._fused import unfused_update
 
 __all__ = ["AdamState", "adam", "adamw"]
 
@@ -222,8 +222,7 @@ def _adam(
             name, params, trees
         )
         if not runs_fused(param_leaves, grad_leaves, state, in_place=in_place):
-            updated = update(grads, state, params)
-            return updated if applied is None else select_tree(applied, updated, (params, state))
+            return unfused_update(update, grads, state, params, applied)
         _check_eps_in_param_dtypes(name, eps, params, param_leaves)
         _check_dense(name, grads, grad_leaves)
         lr_now = scheduled_lr(lr, state.step)

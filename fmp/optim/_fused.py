@@ -13,14 +13,16 @@ the optimizer takes its pure form, with the numerics of `fused=False`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from fmp._donation import writable
 from fmp._donation import writes_in_place
+from fmp._tree import select_tree
 
-__all__ = ["FUSED_DTYPES", "copies", "group_by_device_and_dtype", "runs_fused", "skip_flag"]
+__all__ = ["FUSED_DTYPES", "copies", "group_by_device_and_dtype", "runs_fused", "skip_flag", "unfused_update"]
 
 FUSED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 _FUSED_DEVICES = frozenset({"cpu", "cuda"})
@@ -59,3 +61,15 @@ def group_by_device_and_dtype(params: list[torch.Tensor]) -> list[list[int]]:
     for index, param in enumerate(params):
         groups.setdefault((param.device, param.dtype), []).append(index)
     return list(groups.values())
+
+
+def unfused_update(
+    update: Callable[[Any, Any, Any], tuple[Any, Any]],
+    grads: Any,
+    state: Any,
+    params: Any,
+    applied: torch.Tensor | None,
+) -> tuple[Any, Any]:
+    """The masked update where the kernel cannot run: the pure `update`, then the select the step would make."""
+    updated = update(grads, state, params)
+    return updated if applied is None else select_tree(applied, updated, (params, state))

@@ -13,7 +13,6 @@ from fmp._checks import check_bool
 from fmp._checks import check_real
 from fmp._optimizer import Optimizer
 from fmp._struct import serializable_namedtuple
-from fmp._tree import select_tree
 from fmp.optim._base import LearningRate
 from fmp.optim._base import check_lr
 from fmp.optim._base import check_optimizable_params
@@ -29,6 +28,7 @@ from fmp.optim._fused import copies
 from fmp.optim._fused import group_by_device_and_dtype
 from fmp.optim._fused import runs_fused
 from fmp.optim._fused import skip_flag
+from fmp.optim._fused import unfused_update
 
 __all__ = ["SgdState", "sgd"]
 
@@ -172,8 +172,7 @@ def sgd(
         ) -> tuple[Any, tuple[()]]:
             spec, param_leaves, (grad_leaves,), _ = leaves_like_params("sgd", params, {"grads": grads})
             if not (type(state) is tuple and not state) or not runs_fused(param_leaves, grad_leaves, in_place=in_place):
-                updated = update_stateless(grads, state, params)
-                return updated if applied is None else select_tree(applied, updated, (params, state))
+                return unfused_update(update_stateless, grads, state, params, applied)
             new_params = _fused_descent(param_leaves, grad_leaves, fixed_lr, weight_decay, applied, in_place)
             return pytree.tree_unflatten(new_params, spec), state
 
@@ -230,8 +229,7 @@ def sgd(
         check_state(name, state, SgdState)
         spec, param_leaves, (grad_leaves,), _ = leaves_like_params(name, params, {"grads": grads})
         if pytree.tree_leaves(state.momentum) or not runs_fused(param_leaves, grad_leaves, state, in_place=in_place):
-            updated = update(grads, state, params)
-            return updated if applied is None else select_tree(applied, updated, (params, state))
+            return unfused_update(update, grads, state, params, applied)
         lr_now = scheduled_lr(lr, state.step)
         new_params = _fused_descent(param_leaves, grad_leaves, lr_now, weight_decay, applied, in_place)
         step = state.step + 1 if applied is None else state.step + applied.to(state.step.dtype)
