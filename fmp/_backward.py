@@ -23,6 +23,7 @@ from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
+from typing import cast
 
 import torch
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
@@ -43,17 +44,18 @@ def _inside_transform() -> bool:
 def tracked_leaves(roots: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The leaf tensors that require grad which autograd's graphs of `roots` accumulate into (or that they are)."""
     found = [x for x in roots if x.grad_fn is None and x.requires_grad]
-    seen: set[Any] = set()
-    stack = [x.grad_fn for x in roots]
+    stack = [x.grad_fn for x in roots if x.grad_fn is not None]
+    seen = set(stack)
     while stack:
         node = stack.pop()
-        if node is None or node in seen:
+        # By class name, not getattr(node, "variable", None), whose miss on every other node raises inside.
+        if type(node).__name__ == "AccumulateGrad":  # a leaf's node, which has no further nodes
+            found.append(cast(Any, node).variable)
             continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
-        if variable is not None:
-            found.append(variable)
-        stack.extend(next_node for next_node, _ in node.next_functions)
+        for next_node, _ in node.next_functions:
+            if next_node is not None and next_node not in seen:
+                seen.add(next_node)
+                stack.append(next_node)
     return found
 
 
@@ -148,8 +150,11 @@ def _with_autograd(fn: Callable[..., tuple[torch.Tensor, Any]], params: Any, *ar
     grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True)]
     if record:
         return Differentiated(pytree.tree_unflatten(grads, spec), aux, frozenset())
-    # As torch.func.grad's aux: values, not a handle on this step's graph.
-    aux = pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
+    # As torch.func.grad's aux: values, not a handle on this step's graph (which only a tensor
+    # that requires grad holds).
+    aux_leaves, aux_spec = pytree.tree_flatten(aux)
+    aux_leaves = [x.detach() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in aux_leaves]
+    aux = pytree.tree_unflatten(aux_leaves, aux_spec)
     del loss, inputs  # the graph and its saved tensors go before ownership is counted
     owned = _sole_references(grads)
     return Differentiated(pytree.tree_unflatten(grads, spec), aux, owned)

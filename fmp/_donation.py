@@ -29,8 +29,13 @@ def check_distinct(donated: Any, name: str) -> None:
 
     Leaves are compared with `is` within groups of equal shape, dtype and device (only those can be
     one tensor): Dynamo traces `is` without a guard, where `id()` would guard on each tensor's
-    identity and recompile for every new set of tensors.
+    identity and recompile for every new set of tensors. Eager, a set of ids answers first, and
+    the paths are only spelled out for the message.
     """
+    if not torch.compiler.is_compiling():
+        tensors = [leaf for leaf in pytree.tree_leaves(donated) if isinstance(leaf, torch.Tensor)]
+        if len({id(leaf) for leaf in tensors}) == len(tensors):
+            return
     groups: dict[tuple[Any, ...], list[tuple[str, torch.Tensor]]] = {}
     for path, leaf in py_pytree.tree_flatten_with_path(donated)[0]:
         if not isinstance(leaf, torch.Tensor):

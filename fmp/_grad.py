@@ -31,6 +31,7 @@ from fmp._scaler import unscale_and_check
 from fmp._struct import serializable_namedtuple
 from fmp._tree import check_no_opaque_leaves
 from fmp._tree import check_on_device
+from fmp._tree import leaves_accelerator_device
 from fmp._tree import tree_accelerator_device
 from fmp.autocast._transform import autocast
 
@@ -119,7 +120,7 @@ def _checked_leaves(params: Any, policy: Policy | None) -> torch.device | None:
     if policy is not None and all(
         type(x) is torch.Tensor and not x.requires_grad and x.dtype == policy.param_dtype for x in leaves
     ):
-        return tree_accelerator_device(leaves)  # the usual params, passed without a look at each problem
+        return leaves_accelerator_device(leaves)  # the usual params, passed without a look at each problem
     check_no_opaque_leaves(leaves, params, "params")
     for index, leaf in enumerate(leaves):
         problem = _param_leaf_problem(leaf)

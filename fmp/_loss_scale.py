@@ -310,15 +310,15 @@ class DynamicLossScale(_TensorScale):
         else:
             back_off = ~grads_finite & (streak >= self.hysteresis)
             new_scale, tracker = scale_update(scale, self.growth_tracker, grads_finite, back_off, *factors)
-        zero = torch.zeros_like(self.growth_tracker)
         # torch.where, not clamp: clamp passes NaN through, and a NaN scale would skip every step.
         ok = scale_in_range(self)
         reset = torch.full_like(scale, min(max(RESET_SCALE, self.min_scale), self.max_scale))
         return replace(
             self,
             loss_scale=torch.where(ok, new_scale.clamp(self.min_scale, self.max_scale), reset),
-            growth_tracker=torch.where(ok, tracker, zero),
-            overflow_streak=torch.where(ok & ~grads_finite, streak, zero),
+            # The counters times a bool flag: 0 where it is False (exact, one op where a select needs two).
+            growth_tracker=tracker * ok,
+            overflow_streak=streak * (ok & ~grads_finite),
         )
 
     def state_dict(self) -> dict[str, float | int]:

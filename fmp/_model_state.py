@@ -33,8 +33,8 @@ def returning_model_state(loss_fn: Callable[..., Any], has_aux: bool) -> Callabl
     """
 
     def with_state(params: Any, model_state: Any, *args: Any) -> tuple[Any, tuple[Any, Any]]:
-        copies = pytree.tree_map(torch.clone, model_state)
-        returned = loss_fn(params, copies, *args)
+        leaves, spec = pytree.tree_flatten(model_state)
+        returned = loss_fn(params, pytree.tree_unflatten([x.clone() for x in leaves], spec), *args)
         if not (isinstance(returned, tuple) and len(returned) == 2):
             got = f"a tuple of {len(returned)}" if isinstance(returned, tuple) else type(returned).__name__
             raise TypeError(
@@ -42,7 +42,7 @@ def returning_model_state(loss_fn: Callable[..., Any], has_aux: bool) -> Callabl
                 f"(out, new_model_state), out being the loss (or (loss, aux) with has_aux); got {got}"
             )
         out, new_model_state = returned
-        _check_like(new_model_state, model_state)
+        _check_like(new_model_state, model_state, leaves, spec)
         if has_aux:
             if not (isinstance(out, tuple) and len(out) == 2):
                 raise TypeError(f"with has_aux=True, loss_fn's out must be (loss, aux), got {type(out).__name__}")
@@ -54,10 +54,12 @@ def returning_model_state(loss_fn: Callable[..., Any], has_aux: bool) -> Callabl
     return with_state
 
 
-def _check_like(new_model_state: Any, model_state: Any) -> None:
-    """Raises naming the first leaf of `new_model_state` whose structure, type or shape differs from `model_state`'s."""
+def _check_like(new_model_state: Any, model_state: Any, leaves: list[torch.Tensor], spec: pytree.TreeSpec) -> None:
+    """Raises naming the first leaf of `new_model_state` whose structure, type or shape differs from `model_state`'s.
+
+    `leaves` and `spec` are `model_state` flattened.
+    """
     new_leaves, new_spec = pytree.tree_flatten(new_model_state)
-    leaves, spec = pytree.tree_flatten(model_state)
     if new_spec != spec:
         raise TypeError(
             f"loss_fn's new_model_state must have the structure of state.model_state: expected {spec}, got {new_spec}"

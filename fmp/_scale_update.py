@@ -59,12 +59,11 @@ def runs_grad_scaler_kernel(scale: torch.Tensor, tracker: torch.Tensor, grads_fi
     """Whether GradScaler's in-place update kernel may run on copies of these: eager plain tensors of its dtypes."""
     if torch.compiler.is_compiling() or torch._C._functorch.get_interpreter_stack():
         return False
-    return (
-        type(scale) is torch.Tensor
-        and type(tracker) is torch.Tensor
-        and scale.dtype == torch.float32
-        and tracker.dtype == torch.int32
-        and scale.device == tracker.device == grads_finite.device
-        and scale.device.type in ("cpu", "cuda")
-        and not (scale.requires_grad or grads_finite.requires_grad)
-    )
+    if not (type(scale) is torch.Tensor and type(tracker) is torch.Tensor and scale.dtype == torch.float32):
+        return False
+    if tracker.dtype != torch.int32 or scale.requires_grad or grads_finite.requires_grad:
+        return False
+    # `is_cpu` first: a property read, where `.device` builds a device object per tensor.
+    if scale.is_cpu and tracker.is_cpu and grads_finite.is_cpu:
+        return True
+    return scale.device == tracker.device == grads_finite.device and scale.device.type == "cuda"

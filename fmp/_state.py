@@ -101,15 +101,18 @@ class StepCounts(NamedTuple):
         skipped = stepped & ~applied
         bad_scale, bad_update = skipped & bad_scale, skipped & bad_update
         stalled = skipped & (stalled | bad_scale | bad_update)
-        streak = torch.where(skipped, self.overflow_streak + 1, torch.where(applied, 0, self.overflow_streak))
+        # Arithmetic on int64 counts and bool flags (exact, and fewer ops than nested selects):
+        # an applied step zeroes the streak, a skipped one adds 1, a call that ends no step keeps it.
+        streak = (self.overflow_streak + skipped) * ~applied
+        # Counted within the current stall: a step that ends it restarts the count; `now` implies `stalled`.
+        keep = stalled | ~stepped
 
         def run(count: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
-            # Counted within the current stall: a step that ends it restarts the count.
-            return torch.where(stalled, count + now.long(), torch.where(stepped, 0, count))
+            return count * keep + now
 
         return StepCounts(
-            applied=self.applied + applied.long(),
-            skipped=self.skipped + skipped.long(),
+            applied=self.applied + applied,
+            skipped=self.skipped + skipped,
             overflow_streak=streak,
             stalled=run(self.stalled, stalled),
             bad_scale=run(self.bad_scale, bad_scale),

@@ -29,6 +29,7 @@ __all__ = [
     "functorch_base",
     "is_floating_tensor",
     "is_inexact_tensor",
+    "leaves_accelerator_device",
     "same_static_leaf",
     "select_tree",
     "selectable_pairs",
@@ -133,7 +134,11 @@ def tree_accelerator_device(tree: Any) -> torch.device | None:
 
     Where per-leaf results gather: collecting them there never copies from an accelerator to the host.
     """
-    tensors = [x for x in pytree.tree_iter(tree) if isinstance(x, torch.Tensor)]
+    return leaves_accelerator_device([x for x in pytree.tree_iter(tree) if isinstance(x, torch.Tensor)])
+
+
+def leaves_accelerator_device(tensors: list[torch.Tensor]) -> torch.device | None:
+    """`tree_accelerator_device` of a list of tensors already flattened."""
     for x in tensors:
         if not x.is_cpu:  # a property read, where `.device` builds a device object per leaf
             return x.device
@@ -319,9 +324,13 @@ def selectable_pairs(pred: torch.Tensor, on_true: Any, on_false: Any) -> tuple[p
     false_leaves, false_spec = pytree.tree_flatten(on_false)
     if true_spec != false_spec:
         raise ValueError(f"select_tree needs two trees of one structure, got {true_spec} and {false_spec}")
-    for index, (a, b) in enumerate(zip(true_leaves, false_leaves, strict=True)):
-        _check_selectable(a, b, functools.partial(_leaf_path, on_true, index))
-    return true_spec, list(zip(true_leaves, false_leaves, strict=True))
+    pairs = list(zip(true_leaves, false_leaves, strict=True))
+    for index, (a, b) in enumerate(pairs):
+        # The usual pair, two tensors alike, passes with no check object made for it.
+        alike = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+        if not (alike and a.dtype == b.dtype):
+            _check_selectable(a, b, functools.partial(_leaf_path, on_true, index))
+    return true_spec, pairs
 
 
 def _leaf_path(tree: Any, index: int) -> str:

@@ -50,6 +50,31 @@ def test_counts_follow_a_reference_model(finite: list[bool], hysteresis: int) ->
     assert {t.dtype for t in counts} == {torch.int64} and {t.shape for t in counts} == {torch.Size([])}
 
 
+@hypothesis.given(
+    st.lists(st.integers(0, 2**40), min_size=6, max_size=6),
+    st.lists(st.tuples(*[st.booleans()] * 5), max_size=12),
+)
+def test_advance_follows_a_reference_model(start: list[int], calls: list[tuple[bool, ...]]) -> None:
+    counts = fmp.StepCounts(*(torch.tensor(value, dtype=torch.int64) for value in start))
+    applied, skipped, streak, stalled, bad_scale, bad_update = start
+    for stepped, finite, at_min, scale_bad, update_bad in calls:
+        applied_now = stepped and finite
+        flags = (stepped, applied_now, at_min, scale_bad, update_bad)
+        counts = counts.advance(*(torch.tensor(flag) for flag in flags))
+        if not stepped:  # a micro-batch inside an accumulation window moves no count
+            continue
+        if applied_now:
+            applied, streak, stalled, bad_scale, bad_update = applied + 1, 0, 0, 0, 0
+            continue
+        skipped, streak = skipped + 1, streak + 1
+        if at_min or scale_bad or update_bad:
+            stalled, bad_scale, bad_update = stalled + 1, bad_scale + scale_bad, bad_update + update_bad
+        else:
+            stalled, bad_scale, bad_update = 0, 0, 0
+    assert [int(count) for count in counts] == [applied, skipped, streak, stalled, bad_scale, bad_update]
+    assert {t.dtype for t in counts} == {torch.int64} and {t.shape for t in counts} == {torch.Size([])}
+
+
 def test_a_window_that_overflowed_at_the_minimum_scale_counts_as_stalled() -> None:
     # The window's first micro-batch overflows, its last is finite: the window is skipped, and
     # since the scale was already at its minimum, it is stalled.

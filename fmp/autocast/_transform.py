@@ -351,28 +351,36 @@ def autocast(
         RuntimeError: From the returned function, for `binary_cross_entropy` under float16.
     """
     check_callable("autocast's fn", fn)
-    named = _NAMED_TABLES.get((rules, dtype)) if isinstance(rules, str) and not overrides else None
-    table = named if named is not None else resolve_rules(rules, dtype, overrides)
+    named = (rules, dtype) if isinstance(rules, str) and not overrides and (rules, dtype) in _NAMED_TABLES else None
+    # A named table is looked up only where a call needs it: a compiled step guards on every
+    # table it reads, and one that runs on torch.autocast reads none.
+    table = None if named is not None else resolve_rules(rules, dtype, overrides)
     native = None if overrides else _native_device_type(rules)
 
     @functools.wraps(fn)
     def autocast_fn(*args: P.args, **kwargs: P.kwargs) -> R:
         if native is not None and _floating_tensors_on(native, (args, kwargs)):
             return NativeRegion(native, dtype).run(fn, *args, **kwargs)
-        return AutocastMode(table).run(fn, *args, **kwargs)
+        rule_set = _NAMED_TABLES[named] if named is not None else cast(RuleSet, table)
+        return AutocastMode(rule_set).run(fn, *args, **kwargs)
 
     return autocast_fn
 
 
 def _native_device_type(rules: str | RuleSet) -> str | None:
     """The device type whose torch.autocast `rules` are, or None for rules of one's own."""
+    if isinstance(rules, str):  # a name reads no table (a compiled step would guard on the tables it reads)
+        return rules if rules in RULE_SETS else None
     for device_type, built_in in RULE_SETS.items():
-        if rules == device_type or rules is built_in:
+        if rules is built_in:
             return device_type
     return None
 
 
 def _floating_tensors_on(device_type: str, tree: Any) -> bool:
     """Whether `tree` holds floating tensors and all of them are on `device_type`."""
-    kinds = {x.device.type for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor) and x.is_floating_point()}
-    return kinds == {device_type}
+    floating = [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    # Property reads, where `.device` builds a device object per leaf; the named rule sets are CPU's and CUDA's.
+    if device_type == "cpu":
+        return bool(floating) and all(x.is_cpu for x in floating)
+    return bool(floating) and all(x.is_cuda for x in floating)

@@ -115,7 +115,9 @@ def leaves_like_params(
             if leaf.dtype != param.dtype:  # torch would promote the new params to it, or fail inside an op
                 key = py_pytree.keystr(py_pytree.tree_flatten_with_path(params)[0][index][0])
                 raise ValueError(f"{name}: {what}{key} is {leaf.dtype}, but params{key} is {param.dtype}{hint}")
-            if leaf.device != param.device:  # a state loaded with map_location="cpu", say, the params moved
+            # A state loaded with map_location="cpu", say, the params moved. `is_cpu` first: a property
+            # read, where `.device` builds a device object per leaf.
+            if not (leaf.is_cpu and param.is_cpu) and leaf.device != param.device:
                 key = py_pytree.keystr(py_pytree.tree_flatten_with_path(params)[0][index][0])
                 raise ValueError(
                     f"{name}: {what}{key} is on {leaf.device}, but params{key} is on {param.device}; "
