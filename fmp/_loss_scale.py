@@ -189,8 +189,12 @@ class StaticLossScale(_TensorScale):
             The new state; its scale bit for bit this one's when in range.
         """
         check_finite_flag(grads_finite)
+        return self.adjust_in_range(grads_finite, scale_in_range(self))
+
+    def adjust_in_range(self, grads_finite: torch.Tensor, in_range: torch.Tensor) -> StaticLossScale:
+        """`adjust`, given `scale_in_range(self)` already computed (a step computes it before)."""
         scale = self.loss_scale
-        return replace(self, loss_scale=torch.where(scale_in_range(self), scale, torch.ones_like(scale)))
+        return replace(self, loss_scale=torch.where(in_range, scale, torch.ones_like(scale)))
 
 
 @pytree_dataclass
@@ -301,6 +305,10 @@ class DynamicLossScale(_TensorScale):
             The new state.
         """
         check_finite_flag(grads_finite)
+        return self.adjust_in_range(grads_finite, scale_in_range(self))
+
+    def adjust_in_range(self, grads_finite: torch.Tensor, in_range: torch.Tensor) -> DynamicLossScale:
+        """`adjust`, given `scale_in_range(self)` already computed (a step computes it before)."""
         scale = self.loss_scale
         factors = (self.growth_factor, self.backoff_factor, self.growth_interval)
         # Saturates rather than wrapping after 2**31 - 1 consecutive overflows.
@@ -311,7 +319,7 @@ class DynamicLossScale(_TensorScale):
             back_off = ~grads_finite & (streak >= self.hysteresis)
             new_scale, tracker = scale_update(scale, self.growth_tracker, grads_finite, back_off, *factors)
         # torch.where, not clamp: clamp passes NaN through, and a NaN scale would skip every step.
-        ok = scale_in_range(self)
+        ok = in_range
         reset = torch.full_like(scale, min(max(RESET_SCALE, self.min_scale), self.max_scale))
         return replace(
             self,

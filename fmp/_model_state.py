@@ -15,6 +15,7 @@ import torch
 import torch.utils._pytree as py_pytree
 
 import fmp._pytree as pytree
+from fmp._tree import clone_leaves
 
 __all__ = ["has_model_state", "returning_model_state", "settle_model_state"]
 
@@ -34,7 +35,7 @@ def returning_model_state(loss_fn: Callable[..., Any], has_aux: bool) -> Callabl
 
     def with_state(params: Any, model_state: Any, *args: Any) -> tuple[Any, tuple[Any, Any]]:
         leaves, spec = pytree.tree_flatten(model_state)
-        returned = loss_fn(params, pytree.tree_unflatten([x.clone() for x in leaves], spec), *args)
+        returned = loss_fn(params, pytree.tree_unflatten(clone_leaves(leaves), spec), *args)
         if not (isinstance(returned, tuple) and len(returned) == 2):
             got = f"a tuple of {len(returned)}" if isinstance(returned, tuple) else type(returned).__name__
             raise TypeError(

@@ -80,35 +80,40 @@ class StepCounts(NamedTuple):
 
     def advance(
         self,
-        stepped: torch.Tensor,
+        stepped: torch.Tensor | None,
         applied: torch.Tensor,
         stalled: torch.Tensor,
         bad_scale: torch.Tensor,
-        bad_update: torch.Tensor,
+        bad_update: torch.Tensor | None,
     ) -> StepCounts:
         """The counts after one call of the step; branch-free.
 
         Args:
-            stepped: Whether this call ended an optimizer step, a 0-dim bool tensor.
+            stepped: Whether this call ended an optimizer step, a 0-dim bool tensor; None when
+                every call does (no gradient accumulation).
             applied: Whether the update was applied (implies `stepped`).
             stalled: Whether the step was skipped with an overflowing loss's scale at its minimum.
             bad_scale: Whether a loss scale was out of range (such a step counts as stalled).
-            bad_update: Whether the gradients were finite but the update was not (stalled too).
+            bad_update: Whether the gradients were finite but the update was not (stalled too);
+                None when the update was not checked.
 
         Returns:
             The new counts.
         """
-        skipped = stepped & ~applied
-        bad_scale, bad_update = skipped & bad_scale, skipped & bad_update
-        stalled = skipped & (stalled | bad_scale | bad_update)
+        # Each 0-dim op costs an eager step a few microseconds: the known flags (None) take none.
+        not_applied = ~applied
+        skipped = not_applied if stepped is None else stepped & not_applied
+        bad_scale = skipped & bad_scale
+        bad_update = None if bad_update is None else skipped & bad_update
+        stalled = skipped & (stalled | bad_scale if bad_update is None else stalled | bad_scale | bad_update)
         # Arithmetic on int64 counts and bool flags (exact, and fewer ops than nested selects):
         # an applied step zeroes the streak, a skipped one adds 1, a call that ends no step keeps it.
-        streak = (self.overflow_streak + skipped) * ~applied
+        streak = (self.overflow_streak + skipped) * not_applied
         # Counted within the current stall: a step that ends it restarts the count; `now` implies `stalled`.
-        keep = stalled | ~stepped
+        keep = stalled if stepped is None else stalled | ~stepped
 
-        def run(count: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
-            return count * keep + now
+        def run(count: torch.Tensor, now: torch.Tensor | None) -> torch.Tensor:
+            return count * keep if now is None else count * keep + now
 
         return StepCounts(
             applied=self.applied + applied,

@@ -104,20 +104,25 @@ def _stalled(scaler: ScalerTree, finite_per_loss: Any) -> torch.Tensor:
     return functools.reduce(operator.or_, flags)  # type: ignore[no-any-return]
 
 
-def _with_scales_in_range(scaler: ScalerTree, gradients: Gradients) -> tuple[Gradients, torch.Tensor]:
-    """`gradients` with each loss's flag False where its scale is out of range, and whether any was.
+def _with_scales_in_range(
+    scaler: ScalerTree, gradients: Gradients
+) -> tuple[Gradients, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """`gradients` with each loss's flag False where its scale is out of range, whether any was, and each's range.
 
     Such a scale (NaN, inf, 0, negative: a crafted or corrupted state) made gradients that mean
     nothing, even where finite (a negative scale), so the step is skipped and the adjust resets it.
     """
-    in_range = [scale_in_range(s) for s in per_loss(scaler)]
+    in_range = tuple(scale_in_range(s) for s in per_loss(scaler))
     finite = tuple(f & r for f, r in zip(per_loss(gradients.finite_per_loss), in_range, strict=True))
     # Chained with &, not stacked: a NoOpLossScale's flag is a CPU tensor beside accelerator ones.
     all_in_range = functools.reduce(operator.and_, in_range)
-    return gradients._replace(
-        grads_finite=gradients.grads_finite & all_in_range,
-        finite_per_loss=finite if isinstance(scaler, tuple) else finite[0],
-    ), ~all_in_range
+    if isinstance(scaler, tuple):
+        gradients = gradients._replace(grads_finite=gradients.grads_finite & all_in_range, finite_per_loss=finite)
+    elif gradients.finite_per_loss is gradients.grads_finite:  # one flag for both: one op
+        gradients = gradients._replace(grads_finite=finite[0], finite_per_loss=finite[0])
+    else:
+        gradients = gradients._replace(grads_finite=gradients.grads_finite & all_in_range, finite_per_loss=finite[0])
+    return gradients, ~all_in_range, in_range
 
 
 def _loss_scale(scaler: ScalerTree, device: torch.device) -> Any:
@@ -252,7 +257,7 @@ def train_step(
         check_finite_flag(gradients.grads_finite, "reduce_grads' grads_finite")
         for index, flag in enumerate(pytree.tree_leaves(gradients.finite_per_loss)):
             check_finite_flag(flag, f"reduce_grads' finite_per_loss[{index}]")
-    gradients, bad_scale = _with_scales_in_range(scaler, gradients)
+    gradients, bad_scale, in_range = _with_scales_in_range(scaler, gradients)
     grads, grads_finite, loss, aux, finite_per_loss = gradients
     accumulator = state.accumulator
     if isinstance(accumulator, GradientAccumulator):
@@ -260,14 +265,14 @@ def train_step(
         stepped, grads, window_finite, step_per_loss, accumulator = window
         applied = stepped & window_finite
         # The scale stays fixed inside a window and adjusts once, by the whole window's flags.
-        new_scaler = select_tree(stepped, adjust_each(scaler, step_per_loss), scaler)
+        new_scaler = select_tree(stepped, adjust_each(scaler, step_per_loss, in_range), scaler)
     elif accumulator == ():
-        stepped, applied, step_per_loss = torch.ones_like(grads_finite), grads_finite, finite_per_loss
-        new_scaler = adjust_each(scaler, finite_per_loss)
+        stepped, applied, step_per_loss = None, grads_finite, finite_per_loss  # every call steps
+        new_scaler = adjust_each(scaler, finite_per_loss, in_range)
     else:
         raise TypeError(f"state.accumulator must be () or a GradientAccumulator, got {type(accumulator).__name__}")
     norm: torch.Tensor | tuple[()] = global_norm(grads).to(grads_finite.device) if grad_norm else ()
-    bad_update = torch.zeros_like(applied)
+    bad_update = None  # unless the update is checked
     # An optimizer with a masked update skips by itself (a fused kernel's found_inf): no select after it.
     masked_update = None if check_update else optimizer.masked_update
     updated: Any = optimizer.update(grads, opt_state, params) if masked_update is None else None

@@ -26,6 +26,7 @@ __all__ = [
     "check_gradient_leaves",
     "check_no_opaque_leaves",
     "check_on_device",
+    "clone_leaves",
     "functorch_base",
     "is_floating_tensor",
     "is_inexact_tensor",
@@ -185,14 +186,22 @@ def takes_foreach(leaves: list[Any], device: torch.device) -> bool:
     """
     if torch.compiler.is_compiling() or torch._C._functorch.get_interpreter_stack() or not leaves:
         return False
-    return all(
-        type(x) is torch.Tensor
-        and x.dtype == torch.float32
-        and x.is_contiguous()
-        and x.device == device
-        and not x.requires_grad
+    plain = all(
+        type(x) is torch.Tensor and x.dtype == torch.float32 and x.is_contiguous() and not x.requires_grad
         for x in leaves
     )
+    # `is_cpu` on a CPU: a property read, where `.device` builds a device object per leaf.
+    if device.type == "cpu":
+        return plain and all(x.is_cpu for x in leaves)
+    return plain and all(x.device == device for x in leaves)
+
+
+def clone_leaves(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `leaves`, bit for bit: one multi-tensor call eager, where it takes them; else one clone each."""
+    plain = leaves and all(type(x) is torch.Tensor for x in leaves)
+    if plain and not (torch.compiler.is_compiling() or torch._C._functorch.get_interpreter_stack()):
+        return list(torch._foreach_clone(leaves))
+    return [x.clone() for x in leaves]
 
 
 def _finite_whole(x: torch.Tensor) -> torch.Tensor:

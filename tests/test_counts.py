@@ -52,15 +52,19 @@ def test_counts_follow_a_reference_model(finite: list[bool], hysteresis: int) ->
 
 @hypothesis.given(
     st.lists(st.integers(0, 2**40), min_size=6, max_size=6),
-    st.lists(st.tuples(*[st.booleans()] * 5), max_size=12),
+    st.lists(st.tuples(*[st.booleans()] * 5, st.booleans(), st.booleans()), max_size=12),
 )
 def test_advance_follows_a_reference_model(start: list[int], calls: list[tuple[bool, ...]]) -> None:
     counts = fmp.StepCounts(*(torch.tensor(value, dtype=torch.int64) for value in start))
     applied, skipped, streak, stalled, bad_scale, bad_update = start
-    for stepped, finite, at_min, scale_bad, update_bad in calls:
+    for stepped, finite, at_min, scale_bad, update_bad, every_call_steps, update_unchecked in calls:
+        stepped, update_bad = stepped or every_call_steps, update_bad and not update_unchecked
         applied_now = stepped and finite
-        flags = (stepped, applied_now, at_min, scale_bad, update_bad)
-        counts = counts.advance(*(torch.tensor(flag) for flag in flags))
+        flags = [torch.tensor(flag) for flag in (stepped, applied_now, at_min, scale_bad, update_bad)]
+        # None stands for a flag the step knows: every call steps, or the update was not checked.
+        counts = counts.advance(
+            None if every_call_steps else flags[0], *flags[1:4], None if update_unchecked else flags[4]
+        )
         if not stepped:  # a micro-batch inside an accumulation window moves no count
             continue
         if applied_now:

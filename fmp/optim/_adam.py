@@ -16,6 +16,7 @@ from fmp._checks import check_real
 from fmp._donation import writes_in_place
 from fmp._optimizer import Optimizer
 from fmp._struct import serializable_namedtuple
+from fmp._tree import select_tree
 from fmp._tree import takes_foreach
 from fmp.optim._base import LearningRate
 from fmp.optim._base import check_lr
@@ -31,6 +32,7 @@ from fmp.optim._base import unflatten_as
 from fmp.optim._fused import copies
 from fmp.optim._fused import group_by_device_and_dtype
 from fmp.optim._fused import runs_fused
+from fmp.optim._fused import select_leaves
 from fmp.optim._fused import skip_flag
 from fmp.optim._fused import unfused_update
 
@@ -83,6 +85,23 @@ def _check_eps_in_param_dtypes(name: str, eps: float, params: Any, leaves: list[
             )
 
 
+class _NewLeaves(NamedTuple):
+    """An update's results as leaves, in the params' order, beside the leaves they replace."""
+
+    spec: pytree.TreeSpec
+    specs: list[pytree.TreeSpec | None]
+    old: list[list[torch.Tensor]]  # params, exp_avg, exp_avg_sq
+    leaves: list[list[torch.Tensor]]  # their new values, in the same order
+    step: torch.Tensor
+    fresh: bool  # whether every new leaf is a temporary of the update's own, free to write
+
+
+def _assemble(new: _NewLeaves) -> tuple[Any, AdamState]:
+    params, exp_avg, exp_avg_sq = new.leaves
+    moments = (unflatten_as(exp_avg, new.spec, new.specs[1]), unflatten_as(exp_avg_sq, new.spec, new.specs[2]))
+    return pytree.tree_unflatten(params, new.spec), AdamState(new.step, *moments)
+
+
 def _check_dense(name: str, grads: Any, grad_leaves: list[Any]) -> None:
     """Raises naming the first sparse gradient: Adam's moments are dense, as torch.optim.Adam's refusal says."""
     sparse = first_sparse_gradient(grads, grad_leaves)
@@ -119,7 +138,7 @@ def _adam(
         check_schedule_start(lr, step, name)
         return AdamState(step, tree_zeros_like(params), tree_zeros_like(params))
 
-    def update(grads: Any, state: AdamState, params: Any) -> tuple[Any, AdamState]:
+    def new_leaves(grads: Any, state: AdamState, params: Any) -> _NewLeaves:
         check_state(name, state, AdamState)
         trees = {"grads": grads, "opt_state.exp_avg": state.exp_avg, "opt_state.exp_avg_sq": state.exp_avg_sq}
         spec, param_leaves, leaves, specs = leaves_like_params(name, params, trees)
@@ -146,7 +165,9 @@ def _adam(
         # Eager, the arithmetic below writes into its own temporaries where it may (the same ops,
         # so the same bits): half the allocations, each a pass over fresh memory. Compiled, Inductor
         # fuses the pure form into one loop; autograd (of a learned lr too) and torch.func need it pure.
-        in_place = writes_in_place(grads, state, params, step_scalars)
+        in_place = writes_in_place(
+            param_leaves, grad_leaves, exp_avg_leaves, exp_avg_sq_leaves, state.step, step_scalars
+        )
         if not decoupled and weight_decay:
             grad_leaves = [torch.add(g, p, alpha=weight_decay) for g, p in zip(grad_leaves, param_leaves, strict=True)]
         every = [*param_leaves, *grad_leaves, *exp_avg_leaves, *exp_avg_sq_leaves]
@@ -168,8 +189,8 @@ def _adam(
             step_update = torch._foreach_mul(moment1, scalars32[0])
             torch._foreach_div_(step_update, denom)
             updated = list(torch._foreach_sub(decayed, step_update))
-            moments = AdamState(step, unflatten_as(moment1, spec, specs[1]), unflatten_as(moment2, spec, specs[2]))
-            return pytree.tree_unflatten(updated, spec), moments
+            old = [param_leaves, exp_avg_leaves, exp_avg_sq_leaves]
+            return _NewLeaves(spec, specs, old, [updated, moment1, moment2], step, fresh=True)
         exp_avg = [
             _like(torch.lerp(_real(m), _real(g), 1.0 - beta1), m)
             for m, g in zip(exp_avg_leaves, grad_leaves, strict=True)
@@ -206,11 +227,27 @@ def _adam(
             return _like((param.to(opmath) - update).to(param.dtype), complex_param)
 
         new_params = [new_param(p, m, v) for p, m, v in zip(param_leaves, exp_avg, exp_avg_sq, strict=True)]
-        new_state = AdamState(step, unflatten_as(exp_avg, spec, specs[1]), unflatten_as(exp_avg_sq, spec, specs[2]))
-        return pytree.tree_unflatten(new_params, spec), new_state
+        old = [param_leaves, exp_avg_leaves, exp_avg_sq_leaves]
+        return _NewLeaves(spec, specs, old, [new_params, exp_avg, exp_avg_sq], step, fresh=in_place)
+
+    def update(grads: Any, state: AdamState, params: Any) -> tuple[Any, AdamState]:
+        return _assemble(new_leaves(grads, state, params))
+
+    def unfused_masked_update(
+        grads: Any, state: AdamState, params: Any, applied: torch.Tensor | None, in_place: bool
+    ) -> tuple[Any, AdamState]:
+        new = new_leaves(grads, state, params)
+        if applied is None:
+            return _assemble(new)
+        if not (in_place or new.fresh):
+            return select_tree(applied, _assemble(new), (params, state))
+        # Into the donated state's buffers, else into this update's own temporaries: no new tensors.
+        chosen = [select_leaves(applied, n, o, into_old=in_place) for n, o in zip(new.leaves, new.old, strict=True)]
+        (step,) = select_leaves(applied, [new.step], [state.step], into_old=in_place)
+        return _assemble(new._replace(leaves=chosen, step=step))
 
     if not fused:
-        return Optimizer(init, update)
+        return Optimizer(init, update, unfused_masked_update)
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
 
     def masked_update(

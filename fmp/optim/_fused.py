@@ -20,9 +20,18 @@ import torch
 
 from fmp._donation import writable
 from fmp._donation import writes_in_place
+from fmp._tree import clone_leaves
 from fmp._tree import select_tree
 
-__all__ = ["FUSED_DTYPES", "copies", "group_by_device_and_dtype", "runs_fused", "skip_flag", "unfused_update"]
+__all__ = [
+    "FUSED_DTYPES",
+    "copies",
+    "group_by_device_and_dtype",
+    "runs_fused",
+    "select_leaves",
+    "skip_flag",
+    "unfused_update",
+]
 
 FUSED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 _FUSED_DEVICES = frozenset({"cpu", "cuda"})
@@ -47,7 +56,7 @@ def runs_fused(params: list[Any], grads: list[Any], *trees: Any, in_place: bool)
 
 def copies(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     """New tensors holding `leaves`' values bit for bit, for the kernel to write instead of the originals."""
-    return [x.clone() for x in leaves]
+    return clone_leaves(leaves)
 
 
 def skip_flag(applied: torch.Tensor | None) -> torch.Tensor | None:
@@ -73,3 +82,20 @@ def unfused_update(
     """The masked update where the kernel cannot run: the pure `update`, then the select the step would make."""
     updated = update(grads, state, params)
     return updated if applied is None else select_tree(applied, updated, (params, state))
+
+
+def select_leaves(
+    applied: torch.Tensor, new: list[torch.Tensor], old: list[torch.Tensor], *, into_old: bool
+) -> list[torch.Tensor]:
+    """`new` where `applied`, else `old`, leaf by leaf, written into `old` (donated) or into `new`.
+
+    For eager updates whose new leaves are temporaries of their own (`into_old` False) or whose
+    old leaves the caller donated (`into_old` True, once `check_distinct` has passed): `torch.where`
+    with `out=`, bit for bit `select_tree`'s values. A donated leaf that is not `writable` gets a
+    new tensor, and a new value that shares memory with a donated leaf is read before any write.
+    """
+    if not into_old:
+        return [torch.where(applied, n, o, out=n) for n, o in zip(new, old, strict=True)]
+    storages = {o.untyped_storage().data_ptr() for o in old if o.layout == torch.strided}
+    new = [n.clone() if n.layout == torch.strided and n.untyped_storage().data_ptr() in storages else n for n in new]
+    return [torch.where(applied, n, o, out=o if writable(o) else None) for n, o in zip(new, old, strict=True)]
