@@ -4,7 +4,9 @@ Models: the zoo's "resnet_cnn" (convolutions, BatchNorm running statistics as mo
 "gpt2" and "llama" (transformers causal LMs), at CPU sizes by default and at GPU sizes with
 `--device cuda` (see SIZES). Every contender trains its own copy of the model from the same
 weights on the same batches, AdamW (lr 1e-3, weight decay 1e-2); the contenders take turns round
-by round (the order rotating each round) so machine noise hits all alike. Each row prints the
+by round (the order rotating each round) so machine noise hits all alike, or with --interleave
+step by step within each round (steadier where the noise comes in bursts shorter than a round,
+though each contender then runs with the others' data in the caches). Each row prints the
 median time per step over the rounds and its ratio to torch.amp eager (eager rows; the fused
 row to torch.amp's fused row) or to torch.amp compiled (compiled rows), then the same for the
 best round (on a shared machine, where other processes slow some rounds several-fold, the best
@@ -213,7 +215,9 @@ def gpu_peak_bytes(contender: Contender, batch: Batch, device: torch.device) -> 
     return tree_bytes(contender.state()) + torch.cuda.max_memory_allocated(device) - before
 
 
-def run_model(name: str, device: torch.device, dtype: torch.dtype, steps: int, rounds: int) -> dict[str, Any]:
+def run_model(
+    name: str, device: torch.device, dtype: torch.dtype, steps: int, rounds: int, interleave: bool
+) -> dict[str, Any]:
     torch._dynamo.reset()  # the last model's graphs would count against the recompile limit
     zoo_case = zoo.case(name)
     build_sizes, batch_sizes = SIZES[device.type][name]
@@ -225,8 +229,17 @@ def run_model(name: str, device: torch.device, dtype: torch.dtype, steps: int, r
         run_steps(contender, batches[1:2], device)
     labels = list(contenders)
     for index in range(rounds):
-        for label in labels[index % len(labels) :] + labels[: index % len(labels)]:
-            contenders[label].times.append(run_steps(contenders[label], batches, device))
+        order = labels[index % len(labels) :] + labels[: index % len(labels)]
+        if not interleave:
+            for label in order:
+                contenders[label].times.append(run_steps(contenders[label], batches, device))
+            continue
+        spent = dict.fromkeys(order, 0.0)
+        for batch in batches:  # one step each in turn
+            for label in order:
+                spent[label] += run_steps(contenders[label], [batch], device)
+        for label in order:
+            contenders[label].times.append(spent[label] / len(batches))
     peaks: dict[str, int] = {}
     if device.type == "cuda":
         peaks = {label: gpu_peak_bytes(c, batches[0], device) for label, c in contenders.items()}
@@ -272,6 +285,11 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(SIZES["cpu"]), choices=list(SIZES["cpu"]))
     parser.add_argument("--steps", type=int, default=10, help="steps per round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="contenders take turns step by step within a round, not round by round",
+    )
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (CPU)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], help="compute dtype (bfloat16 CPU, float16 CUDA)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -282,7 +300,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cpu" else "float16"))
     print(describe_machine(device) + f", compute {str(dtype).removeprefix('torch.')}")
     print("ratio: time over torch.amp eager (eager rows; fused over fused) or compiled (compiled rows)")
-    results = {name: run_model(name, device, dtype, args.steps, args.rounds) for name in args.models}
+    results = {name: run_model(name, device, dtype, args.steps, args.rounds, args.interleave) for name in args.models}
     if args.json:
         machine = describe_machine(device)
         Path(args.json).write_text(json.dumps({"machine": machine, "models": results}, indent=1))
