@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 import types
 from typing import Any
 
@@ -25,33 +26,46 @@ def weighted_loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Ten
     return mlp_loss(params, x, y) * LOSS_WEIGHT
 
 
-def entry(name: str, guard_type: str) -> Any:
-    return types.SimpleNamespace(name=name, guard_type=guard_type)
+def entry(name: str, guard_type: str, value: Any) -> Any:
+    return types.SimpleNamespace(name=name, guard_type=guard_type, has_value=True, value=value)
 
 
 @pytest.mark.parametrize(
-    ("name", "guard_type", "kept"),
+    ("name", "guard_type", "value", "kept"),
     [
-        ("G['__import_fmp_dot__step'].check_bool", "FUNCTION_MATCH", False),
-        ("G['__import_torch_dot_nn_dot_functional'].gelu", "CLOSURE_MATCH", False),
-        ("G['__import_functools']", "DUPLICATE_INPUT", False),
-        ("list(dict.keys(G['__import_optree_dot_registry']._NODETYPE_REGISTRY))[3][1]", "CLASS_MATCH", False),
-        ("G['__builtins_dict___0']['len']", "BUILTIN_MATCH", False),
-        ("G['__import_fmp']", "DICT_NOT_CONTAINS", False),
-        # A module of the caller's whose name starts like a library's.
-        ("G['__import_fmpx_dot_layers'].block", "FUNCTION_MATCH", True),
-        ("G['__import_torchvision_dot_ops'].nms", "FUNCTION_MATCH", True),
-        # Values, which can change between calls, and the caller's own objects.
-        ("G['__import_fmp_dot_autocast_dot__transform'].AMBIENT.regions", "LENGTH_CHECK", True),
-        ("G['__import_torch_dot_backends_dot_mkldnn'].enabled", "CONSTANT_MATCH", True),
-        ("G['model']", "ID_MATCH", True),
-        ("G['__import___main__'].model", "ID_MATCH", True),
-        ("L['args'][0].params['w1']", "TENSOR_MATCH", True),
-        ("L['fn'].keywords['optimizer']", "ID_MATCH", True),
+        ("G['__import_fmp_dot__step'].check_bool", "FUNCTION_MATCH", fmp.train_step, False),
+        ("G['__import_torch_dot_nn_dot_functional'].gelu", "CLOSURE_MATCH", torch.nn.functional.gelu, False),
+        ("G['__import_functools']", "DUPLICATE_INPUT", functools, False),
+        (
+            "list(dict.keys(G['__import_optree_dot_registry']._NODETYPE_REGISTRY))[3][1]",
+            "CLASS_MATCH",
+            fmp.DynamicLossScale,
+            False,
+        ),
+        ("G['__builtins_dict___0']['len']", "BUILTIN_MATCH", len, False),
+        # Library state that can change between calls: a registry, the regions, a flag.
+        ("G['__import_optree_dot_registry']._NODETYPE_REGISTRY", "DICT_NOT_CONTAINS", {}, True),
+        ("G['__import_fmp_dot_autocast_dot__transform'].AMBIENT.regions[0]", "DUPLICATE_INPUT", object(), True),
+        ("G['__import_fmp_dot_autocast_dot__transform'].AMBIENT.regions", "LENGTH_CHECK", [], True),
+        ("G['__import_torch_dot_backends_dot_mkldnn'].enabled", "CONSTANT_MATCH", True, True),
+        # Modules of the caller's whose names start like a library's.
+        ("G['__import_fmpx_dot_layers'].block", "FUNCTION_MATCH", mlp_loss, True),
+        ("G['__import_torchvision_dot_ops'].nms", "FUNCTION_MATCH", mlp_loss, True),
+        ("G['__import_torch_dot_layers'].act", "FUNCTION_MATCH", mlp_loss, True),
+        # The caller's own objects and the state.
+        ("G['model']", "ID_MATCH", torch.nn.Linear(1, 1), True),
+        ("G['__import___main__'].loss_fn", "FUNCTION_MATCH", mlp_loss, True),
+        ("L['args'][0].params['w1']", "TENSOR_MATCH", torch.zeros(1), True),
+        ("L['fn'].keywords['optimizer']", "ID_MATCH", SGD, True),
     ],
 )
-def test_drops_only_identity_guards_on_library_globals(name: str, guard_type: str, kept: bool) -> None:
-    assert fmp.skip_library_code_guards([entry(name, guard_type)]) == [kept]
+def test_drops_only_identity_guards_on_library_code(
+    name: str, guard_type: str, value: Any, kept: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A module of the caller's named torch_dot_layers, which Dynamo spells as torch.layers would be.
+    monkeypatch.setitem(sys.modules, "torch_dot_layers", types.ModuleType("torch_dot_layers"))
+    monkeypatch.setitem(sys.modules, "torch.layers", types.ModuleType("torch.layers"))
+    assert fmp.skip_library_code_guards([entry(name, guard_type, value)]) == [kept]
 
 
 def test_a_filtered_compiled_step_trains_and_still_recompiles_for_what_changed() -> None:

@@ -133,6 +133,28 @@ def test_a_0_dim_16_bit_param_rounds_adams_denominator_as_torch_does(
     assert_trees_bitwise_equal(ours, {"t": reference.detach()})
 
 
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+@pytest.mark.parametrize("finite", [True, False], ids=["applied", "skipped"])
+def test_a_train_step_with_a_learned_lr_keeps_the_hypergradient(donate: bool, finite: bool) -> None:
+    # The step's masked update writes its select in place only into temporaries autograd does not record.
+    log_lr = torch.tensor(-4.0, requires_grad=True)
+    optimizer = fmp.optim.adamw(lambda count: log_lr.exp() + 0.0 * count)
+    params = {"w": torch.linspace(-1.0, 1.0, 16).reshape(4, 4), "b": torch.zeros(4)}
+    state = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create(2.0**4))
+    x = torch.randn(3, 4) if finite else torch.full((3, 4), float("nan"))
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return ((x @ p["w"] + p["b"]) ** 2).mean()
+
+    new, info = fmp.train_step(loss_fn, state, x, policy=fmp.Policy(), optimizer=optimizer, donate=donate)
+    assert bool(info.applied) == finite
+    if finite:
+        (hypergradient,) = torch.autograd.grad(new.params["w"].sum(), log_lr)
+        assert float(hypergradient) != 0.0
+    else:  # a skipped step keeps the params (bit for bit)
+        assert torch.equal(new.params["w"].detach(), params["w"]) and new.params["w"].requires_grad
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # forward AD's first use
 @pytest.mark.parametrize("optimizer_of", [fmp.optim.adam, fmp.optim.adamw], ids=["adam", "adamw"])
 def test_adam_differentiates_through_a_learned_lr_and_in_forward_mode(

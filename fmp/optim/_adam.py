@@ -239,7 +239,7 @@ def _adam(
         new = new_leaves(grads, state, params)
         if applied is None:
             return _assemble(new)
-        if not (in_place or new.fresh):
+        if not new.fresh:  # autograd records the update (a learned lr), or a transform runs: pure
             return select_tree(applied, _assemble(new), (params, state))
         # Into the donated state's buffers, else into this update's own temporaries: no new tensors.
         chosen = [select_leaves(applied, n, o, into_old=in_place) for n, o in zip(new.leaves, new.old, strict=True)]
