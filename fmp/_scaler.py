@@ -103,6 +103,9 @@ def unscale_and_check(
         return grads, all_finite(grads)
     inverse = inverse_scale(scaler.loss_scale)
     in_place = [x for x in leaves if id(x) in owned and writable(x)] if owned else []
+    if len(in_place) == len(leaves):  # the usual case: every gradient ours, unscaled where it lies
+        torch._foreach_mul_(leaves, inverse)
+        return scaled_grads, _finite(leaves)
     if in_place:
         torch._foreach_mul_(in_place, inverse)
     written = {id(x) for x in in_place}

@@ -92,6 +92,8 @@ def leaves_like_params(
     if not all(isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()) for x in param_leaves):
         check_optimizable_params(name, params)  # names the leaf (a path flatten only for the message)
     all_leaves, own_specs = [], []
+    on_cpu = all(p.is_cpu for p in param_leaves)
+    shapes_and_dtypes = [(p.shape, p.dtype) for p in param_leaves] if on_cpu else []
     for what, tree in trees.items():
         hint = "; was the optimizer state created for other params?" if what.startswith("opt_state") else ""
         leaves, spec = pytree.tree_flatten(tree)
@@ -102,6 +104,11 @@ def leaves_like_params(
             except (ValueError, TypeError):
                 difference = _first_difference(params, tree, what)
                 raise ValueError(f"{name}: {what} must have the params' structure, but {difference}{hint}") from None
+        # The usual tree, tensors like the params leaf for leaf on the CPU, passes without a look at each pair.
+        plain = on_cpu and all(isinstance(x, torch.Tensor) and x.is_cpu for x in leaves)
+        if plain and [(x.shape, x.dtype) for x in leaves] == shapes_and_dtypes:
+            all_leaves.append(leaves)
+            continue
         for index, (param, leaf) in enumerate(zip(param_leaves, leaves, strict=True)):
             if not isinstance(param, torch.Tensor):
                 continue
