@@ -19,7 +19,15 @@ import torch.utils._pytree as py_pytree
 import fmp._pytree as pytree
 from fmp._tree import selectable_pairs
 
-__all__ = ["check_distinct", "copy_aliases", "donate_into", "select_into", "writable", "writes_in_place"]
+__all__ = [
+    "check_distinct",
+    "copy_aliases",
+    "donate_into",
+    "select_into",
+    "select_pairs_into",
+    "writable",
+    "writes_in_place",
+]
 
 Tree = TypeVar("Tree")
 
@@ -136,6 +144,16 @@ def select_into(pred: torch.Tensor, on_true: Tree, donated: Tree) -> Tree:
         ValueError: As `select_tree`, before anything is written.
     """
     spec, pairs = selectable_pairs(pred, on_true, donated)
+    return cast(Tree, pytree.tree_unflatten(select_pairs_into(pred, pairs), spec))
+
+
+def select_pairs_into(pred: torch.Tensor, pairs: list[tuple[Any, Any]]) -> list[Any]:
+    """`select_into` of leaves already paired and checked: `(new value, donated leaf)` each.
+
+    Returns:
+        The donated leaves holding the chosen values (new tensors where not `writable`), and the
+        new values of non-tensor leaves.
+    """
     donated_storages = {_storage(b) for _, b in pairs if isinstance(b, torch.Tensor) and b.layout == torch.strided}
 
     def read_before_writes(a: Any, b: Any) -> Any:
@@ -143,11 +161,10 @@ def select_into(pred: torch.Tensor, on_true: Tree, donated: Tree) -> Tree:
         return a.clone() if aliases and _storage(a) in donated_storages else a
 
     new_values = [read_before_writes(a, b) for a, b in pairs]
-    written = [
+    return [
         torch.where(pred, a, b, out=b if writable(b) else None) if isinstance(a, torch.Tensor) else a
         for a, (_, b) in zip(new_values, pairs, strict=True)
     ]
-    return cast(Tree, pytree.tree_unflatten(written, spec))
 
 
 def copy_aliases(tree: Tree, donated: Any) -> Tree:

@@ -147,6 +147,10 @@ class NoOpLossScale:
         check_finite_flag(grads_finite)
         return self
 
+    def adjust_in_range(self, grads_finite: torch.Tensor, in_range: torch.Tensor) -> NoOpLossScale:
+        """`adjust`: this state's scale is always in range."""
+        return self.adjust(grads_finite)
+
 
 @pytree_dataclass
 class StaticLossScale(_TensorScale):
@@ -188,11 +192,11 @@ class StaticLossScale(_TensorScale):
         Returns:
             The new state; its scale bit for bit this one's when in range.
         """
-        check_finite_flag(grads_finite)
         return self.adjust_in_range(grads_finite, scale_in_range(self))
 
     def adjust_in_range(self, grads_finite: torch.Tensor, in_range: torch.Tensor) -> StaticLossScale:
         """`adjust`, given `scale_in_range(self)` already computed (a step computes it before)."""
+        check_finite_flag(grads_finite)
         scale = self.loss_scale
         return replace(self, loss_scale=torch.where(in_range, scale, torch.ones_like(scale)))
 
@@ -304,11 +308,11 @@ class DynamicLossScale(_TensorScale):
         Returns:
             The new state.
         """
-        check_finite_flag(grads_finite)
         return self.adjust_in_range(grads_finite, scale_in_range(self))
 
     def adjust_in_range(self, grads_finite: torch.Tensor, in_range: torch.Tensor) -> DynamicLossScale:
         """`adjust`, given `scale_in_range(self)` already computed (a step computes it before)."""
+        check_finite_flag(grads_finite)
         scale = self.loss_scale
         factors = (self.growth_factor, self.backoff_factor, self.growth_interval)
         # Saturates rather than wrapping after 2**31 - 1 consecutive overflows.

@@ -40,7 +40,6 @@ from fmp._loss_scale import unscale_in_place
 from fmp._norm import clip_tree_by_global_norm
 from fmp._scale_checks import check_scaler
 from fmp._tree import all_finite
-from fmp._tree import check_finite_flag
 from fmp._tree import check_gradient_leaves
 from fmp._tree import check_on_device
 from fmp._tree import takes_foreach
@@ -141,24 +140,14 @@ def per_loss(tree: Any) -> tuple[Any, ...]:
     return tree if isinstance(tree, tuple) else (tree,)
 
 
-def adjust_each(scaler: Any, finite_per_loss: Any, in_range: tuple[torch.Tensor, ...] | None = None) -> Any:
+def adjust_each(scaler: Any, finite_per_loss: Any, in_range: tuple[torch.Tensor, ...]) -> Any:
     """Each scaler adjusted by its own flag (one scaler and flag, or tuples of them, one per loss).
 
-    `in_range`, where given, holds `scale_in_range` of each scaler, computed already.
+    `in_range` holds `scale_in_range` of each scaler, which the step computed already.
     """
-    scalers, flags = per_loss(scaler), per_loss(finite_per_loss)
-    if in_range is None:
-        adjusted = tuple(s.adjust(finite) for s, finite in zip(scalers, flags, strict=True))
-    else:
-        adjusted = tuple(_adjust(s, finite, r) for s, finite, r in zip(scalers, flags, in_range, strict=True))
+    flags = per_loss(finite_per_loss)
+    adjusted = tuple(s.adjust_in_range(f, r) for s, f, r in zip(per_loss(scaler), flags, in_range, strict=True))
     return adjusted if isinstance(scaler, tuple) else adjusted[0]
-
-
-def _adjust(scaler: LossScale, finite: torch.Tensor, in_range: torch.Tensor) -> LossScale:
-    if isinstance(scaler, StaticLossScale | DynamicLossScale):
-        check_finite_flag(finite)
-        return scaler.adjust_in_range(finite, in_range)
-    return scaler.adjust(finite)
 
 
 def check_unscale_arguments(scaler: Any, scaled_grads: Any, donate: Any, max_norm: Any) -> torch.device:

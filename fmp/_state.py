@@ -104,8 +104,11 @@ class StepCounts(NamedTuple):
         not_applied = ~applied
         skipped = not_applied if stepped is None else stepped & not_applied
         bad_scale = skipped & bad_scale
-        bad_update = None if bad_update is None else skipped & bad_update
-        stalled = skipped & (stalled | bad_scale if bad_update is None else stalled | bad_scale | bad_update)
+        stalled = stalled | bad_scale
+        if bad_update is not None:
+            bad_update = skipped & bad_update
+            stalled = stalled | bad_update
+        stalled = skipped & stalled
         # Arithmetic on int64 counts and bool flags (exact, and fewer ops than nested selects):
         # an applied step zeroes the streak, a skipped one adds 1, a call that ends no step keeps it.
         streak = (self.overflow_streak + skipped) * not_applied

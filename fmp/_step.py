@@ -116,13 +116,10 @@ def _with_scales_in_range(
     finite = tuple(f & r for f, r in zip(per_loss(gradients.finite_per_loss), in_range, strict=True))
     # Chained with &, not stacked: a NoOpLossScale's flag is a CPU tensor beside accelerator ones.
     all_in_range = functools.reduce(operator.and_, in_range)
-    if isinstance(scaler, tuple):
-        gradients = gradients._replace(grads_finite=gradients.grads_finite & all_in_range, finite_per_loss=finite)
-    elif gradients.finite_per_loss is gradients.grads_finite:  # one flag for both: one op
-        gradients = gradients._replace(grads_finite=finite[0], finite_per_loss=finite[0])
-    else:
-        gradients = gradients._replace(grads_finite=gradients.grads_finite & all_in_range, finite_per_loss=finite[0])
-    return gradients, ~all_in_range, in_range
+    one_flag = not isinstance(scaler, tuple) and gradients.finite_per_loss is gradients.grads_finite
+    grads_finite = finite[0] if one_flag else gradients.grads_finite & all_in_range  # one flag for both: one op
+    finite_per_loss = finite if isinstance(scaler, tuple) else finite[0]
+    return gradients._replace(grads_finite=grads_finite, finite_per_loss=finite_per_loss), ~all_in_range, in_range
 
 
 def _loss_scale(scaler: ScalerTree, device: torch.device) -> Any:

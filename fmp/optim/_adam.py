@@ -16,6 +16,7 @@ from fmp._checks import check_real
 from fmp._donation import writes_in_place
 from fmp._optimizer import Optimizer
 from fmp._struct import serializable_namedtuple
+from fmp._tree import clone_leaves
 from fmp._tree import select_tree
 from fmp._tree import takes_foreach
 from fmp.optim._base import LearningRate
@@ -29,7 +30,6 @@ from fmp.optim._base import scheduled_lr
 from fmp.optim._base import step_counter
 from fmp.optim._base import tree_zeros_like
 from fmp.optim._base import unflatten_as
-from fmp.optim._fused import copies
 from fmp.optim._fused import group_by_device_and_dtype
 from fmp.optim._fused import runs_fused
 from fmp.optim._fused import select_leaves
@@ -266,9 +266,9 @@ def _adam(
         lr_now = lr_now.double() if isinstance(lr_now, torch.Tensor) else lr_now
         if not in_place:
             param_leaves, exp_avg_leaves, exp_avg_sq_leaves = (
-                copies(param_leaves),
-                copies(exp_avg_leaves),
-                copies(exp_avg_sq_leaves),
+                clone_leaves(param_leaves),
+                clone_leaves(exp_avg_leaves),
+                clone_leaves(exp_avg_sq_leaves),
             )
         # The kernel reads the step for its bias corrections as torch.optim keeps it: a float32 count.
         counted = (state.step + 1).float()

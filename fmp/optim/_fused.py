@@ -18,14 +18,13 @@ from typing import Any
 
 import torch
 
+from fmp._donation import select_pairs_into
 from fmp._donation import writable
 from fmp._donation import writes_in_place
-from fmp._tree import clone_leaves
 from fmp._tree import select_tree
 
 __all__ = [
     "FUSED_DTYPES",
-    "copies",
     "group_by_device_and_dtype",
     "runs_fused",
     "select_leaves",
@@ -52,11 +51,6 @@ def runs_fused(params: list[Any], grads: list[Any], *trees: Any, in_place: bool)
         if in_place and not writable(x):
             return False
     return all(type(g) is torch.Tensor and g.layout == torch.strided for g in grads)
-
-
-def copies(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-    """New tensors holding `leaves`' values bit for bit, for the kernel to write instead of the originals."""
-    return clone_leaves(leaves)
 
 
 def skip_flag(applied: torch.Tensor | None) -> torch.Tensor | None:
@@ -89,13 +83,10 @@ def select_leaves(
 ) -> list[torch.Tensor]:
     """`new` where `applied`, else `old`, leaf by leaf, written into `old` (donated) or into `new`.
 
-    For eager updates whose new leaves are temporaries of their own (`into_old` False) or whose
-    old leaves the caller donated (`into_old` True, once `check_distinct` has passed): `torch.where`
-    with `out=`, bit for bit `select_tree`'s values. A donated leaf that is not `writable` gets a
-    new tensor, and a new value that shares memory with a donated leaf is read before any write.
+    For eager updates whose new leaves are temporaries of their own: `torch.where` with `out=`,
+    bit for bit `select_tree`'s values. With `into_old`, the caller donated `old` and it is
+    written as `select_into` writes a donated tree.
     """
-    if not into_old:
-        return [torch.where(applied, n, o, out=n) for n, o in zip(new, old, strict=True)]
-    storages = {o.untyped_storage().data_ptr() for o in old if o.layout == torch.strided}
-    new = [n.clone() if n.layout == torch.strided and n.untyped_storage().data_ptr() in storages else n for n in new]
-    return [torch.where(applied, n, o, out=o if writable(o) else None) for n, o in zip(new, old, strict=True)]
+    if into_old:
+        return select_pairs_into(applied, list(zip(new, old, strict=True)))
+    return [torch.where(applied, n, o, out=n) for n, o in zip(new, old, strict=True)]

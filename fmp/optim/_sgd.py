@@ -13,6 +13,7 @@ from fmp._checks import check_bool
 from fmp._checks import check_real
 from fmp._optimizer import Optimizer
 from fmp._struct import serializable_namedtuple
+from fmp._tree import clone_leaves
 from fmp.optim._base import LearningRate
 from fmp.optim._base import check_lr
 from fmp.optim._base import check_optimizable_params
@@ -24,7 +25,6 @@ from fmp.optim._base import scheduled_lr
 from fmp.optim._base import step_counter
 from fmp.optim._base import tree_zeros_like
 from fmp.optim._base import unflatten_as
-from fmp.optim._fused import copies
 from fmp.optim._fused import group_by_device_and_dtype
 from fmp.optim._fused import runs_fused
 from fmp.optim._fused import skip_flag
@@ -250,7 +250,7 @@ def _fused_descent(
     in_place: bool,
 ) -> list[torch.Tensor]:
     """The fused SGD step without momentum, on copies of `params` unless `in_place`; skipped unless `applied`."""
-    params = params if in_place else copies(params)
+    params = params if in_place else clone_leaves(params)
     found_inf = skip_flag(applied)
     for group in group_by_device_and_dtype(params):
         torch._fused_sgd_(
