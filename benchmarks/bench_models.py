@@ -29,7 +29,6 @@ rounds show what a step costs on its own):
                           Python mode
   fmp compiled            fmp.train_step under torch.compile(fullgraph=True), the device's rules
   fmp donated             the same with donate=True (the update is written into the old buffers)
-                          and fmp.skip_library_code_guards as the guard filter: the whole tuned path
 
 The compute dtype is bfloat16 on a CPU and float16 on CUDA (torch.amp's usual GPU recipe, where
 loss scaling matters); --dtype overrides it. Compiled rows also print their first call's time
@@ -132,7 +131,7 @@ def torch_contender(
 def fmp_contender(
     model: nn.Module, dtype: torch.dtype, rules: str, *, mode: str | None, fused: bool = False
 ) -> Contender:
-    """fmp.train_step: `mode` None (eager), "compiled" or "donated" (compiled, donate=True, fewer guards)."""
+    """fmp.train_step: `mode` None (eager), "compiled" or "donated" (compiled with donate=True)."""
     device = next(model.parameters()).device
     params, buffers = fmp.nn.split(model)
 
@@ -147,11 +146,8 @@ def fmp_contender(
     train_step: Callable[..., tuple[fmp.TrainState, fmp.StepInfo]] = functools.partial(
         fmp.train_step, loss_fn, policy=policy, optimizer=optimizer, donate=mode == "donated"
     )
-    if mode == "compiled":
+    if mode is not None:
         train_step = torch.compile(train_step, fullgraph=True)
-    elif mode == "donated":
-        options = {"guard_filter_fn": fmp.skip_library_code_guards}
-        train_step = torch.compile(train_step, fullgraph=True, options=options)
 
     def step(batch: Batch) -> torch.Tensor:
         nonlocal state

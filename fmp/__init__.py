@@ -20,7 +20,6 @@ from fmp._accumulate import GradientAccumulator
 from fmp._grad import Gradients
 from fmp._grad import mixed_precision_grad
 from fmp._grad import with_policy
-from fmp._guards import skip_library_code_guards
 from fmp._loss_scale import DynamicLossScale
 from fmp._loss_scale import LossScale
 from fmp._loss_scale import NoOpLossScale
@@ -80,7 +79,6 @@ __all__ = [
     "remat",
     "select_tree",
     "serialization",
-    "skip_library_code_guards",
     "stack_trees",
     "stochastic_round",
     "train_step",

@@ -29,6 +29,7 @@ import torch
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 import fmp._pytree as pytree
+from fmp._donation import storage_use_count
 from fmp._tree import functorch_base
 
 __all__ = ["Differentiated", "check_reads_no_module_parameters", "grad_and_aux", "tracked_leaves"]
@@ -46,16 +47,18 @@ def tracked_leaves(roots: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     found = [x for x in roots if x.grad_fn is None and x.requires_grad]
     stack = [x.grad_fn for x in roots if x.grad_fn is not None]
     seen = set(stack)
+    # Bound once: the loop visits every node of the graph, a few hundred for a small model.
+    pop, push, add = stack.pop, stack.append, seen.add
+    accumulate = cast(Any, torch._C._functions).AccumulateGrad  # the node class of a leaf that requires grad
     while stack:
-        node = stack.pop()
-        # By class name, not getattr(node, "variable", None), whose miss on every other node raises inside.
-        if type(node).__name__ == "AccumulateGrad":  # a leaf's node, which has no further nodes
+        node = pop()
+        if type(node) is accumulate:  # a leaf's node, which has no further nodes
             found.append(cast(Any, node).variable)
             continue
         for next_node, _ in node.next_functions:
             if next_node is not None and next_node not in seen:
-                seen.add(next_node)
-                stack.append(next_node)
+                add(next_node)
+                push(next_node)
     return found
 
 
@@ -110,10 +113,6 @@ class Differentiated(NamedTuple):
     """The ids of the gradient tensors that nothing but `grads` holds, which the caller may overwrite."""
 
 
-def _storage_use_count(x: torch.Tensor) -> int:
-    return int(torch._C._storage_Use_Count(x.untyped_storage()._cdata))
-
-
 def _sole_references(tensors: list[torch.Tensor]) -> frozenset[int]:
     """The ids of the tensors that only `tensors` holds, once each, none sharing its storage with another tensor.
 
@@ -124,7 +123,7 @@ def _sole_references(tensors: list[torch.Tensor]) -> frozenset[int]:
     tensors.append(torch.empty(1))  # the probe, held by the list alone
     counts = [sys.getrefcount(x) for x in tensors]
     # Only plain strided tensors have a storage to count (a sparse gradient has none).
-    storages = [_storage_use_count(x) if type(x) is torch.Tensor and x.layout == torch.strided else -1 for x in tensors]
+    storages = [storage_use_count(x) if type(x) is torch.Tensor and x.layout == torch.strided else -1 for x in tensors]
     tensors.pop()
     count, storage = counts.pop(), storages.pop()
     return frozenset(id(x) for x, c, s in zip(tensors, counts, storages, strict=True) if c == count and s == storage)

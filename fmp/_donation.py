@@ -24,7 +24,7 @@ __all__ = [
     "copy_aliases",
     "donate_into",
     "select_into",
-    "select_pairs_into",
+    "storage_use_count",
     "writable",
     "writes_in_place",
 ]
@@ -32,18 +32,22 @@ __all__ = [
 Tree = TypeVar("Tree")
 
 
-def check_distinct(donated: Any, name: str) -> None:
-    """Raises a ValueError naming both leaves if `donated` lists one tensor twice.
+def check_distinct(donated: Any, name: str) -> list[Any]:
+    """Raises a ValueError naming both leaves if `donated` lists one tensor twice; returns its leaves.
 
     Leaves are compared with `is` within groups of equal shape, dtype and device (only those can be
     one tensor): Dynamo traces `is` without a guard, where `id()` would guard on each tensor's
     identity and recompile for every new set of tensors. Eager, a set of ids answers first, and
     the paths are only spelled out for the message.
+
+    Returns:
+        `donated`'s leaves, for the caller's further looks at them (a list of them is a tree too).
     """
+    leaves = pytree.tree_leaves(donated)
     if not torch.compiler.is_compiling():
-        tensors = [leaf for leaf in pytree.tree_leaves(donated) if isinstance(leaf, torch.Tensor)]
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         if len({id(leaf) for leaf in tensors}) == len(tensors):
-            return
+            return leaves
     groups: dict[tuple[Any, ...], list[tuple[str, torch.Tensor]]] = {}
     for path, leaf in py_pytree.tree_flatten_with_path(donated)[0]:
         if not isinstance(leaf, torch.Tensor):
@@ -57,6 +61,7 @@ def check_distinct(donated: Any, name: str) -> None:
                     f"(tied weights listed twice?): the step would write two updates into one buffer"
                 )
         group.append((where, leaf))
+    return leaves
 
 
 def writes_in_place(*trees: Any) -> bool:
@@ -71,21 +76,27 @@ def writes_in_place(*trees: Any) -> bool:
     are not their values'. There a call makes new tensors, as a pure one does.
 
     Args:
-        *trees: The trees whose tensors (or temporaries made from them) would be written.
+        *trees: The trees whose tensors (or temporaries made from them) would be written; a list
+            is walked as it is, so leaves already flattened are not flattened again.
     """
     # Inside a forward-mode AD level any tensor may carry a tangent, which out= forms refuse.
     if torch.compiler.is_compiling() or torch._C._functorch.get_interpreter_stack() or _forward_ad_active():
         return False
     # One pass, as cheap per tensor as it can be: an eager step asks this of every leaf of its state.
     recording, inference_mode = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
-    for x in pytree.tree_leaves(trees):
-        kind = type(x)
-        if kind is not torch.Tensor and kind is not torch.nn.Parameter:
-            if isinstance(x, torch.Tensor):
+    pending = list(trees)
+    while pending:
+        tree = pending.pop()
+        in_list = type(tree) is list
+        for x in tree if in_list else pytree.tree_leaves(tree):
+            kind = type(x)
+            if kind is torch.Tensor or kind is torch.nn.Parameter:
+                if (recording and x.requires_grad) or (not inference_mode and x.is_inference()):
+                    return False
+            elif isinstance(x, torch.Tensor):
                 return False
-            continue
-        if (recording and x.requires_grad) or (not inference_mode and x.is_inference()):
-            return False
+            elif in_list:
+                pending.append(x)  # a list's element may be a tree itself
     return True
 
 
@@ -122,6 +133,15 @@ def _storage(x: torch.Tensor) -> int:
     return x.untyped_storage().data_ptr()
 
 
+def storage_use_count(x: torch.Tensor) -> int:
+    """How many references `x`'s storage has: its tensors (views and aliases included) and its Python object.
+
+    Compare it with a probe's (a new tensor's), not with 1: the Python object that reading the
+    storage makes holds a reference too.
+    """
+    return int(torch._C._storage_Use_Count(x.untyped_storage()._cdata))
+
+
 def select_into(pred: torch.Tensor, on_true: Tree, donated: Tree) -> Tree:
     """`fmp.select_tree(pred, on_true, donated)`, written into `donated`'s tensors.
 
@@ -144,16 +164,6 @@ def select_into(pred: torch.Tensor, on_true: Tree, donated: Tree) -> Tree:
         ValueError: As `select_tree`, before anything is written.
     """
     spec, pairs = selectable_pairs(pred, on_true, donated)
-    return cast(Tree, pytree.tree_unflatten(select_pairs_into(pred, pairs), spec))
-
-
-def select_pairs_into(pred: torch.Tensor, pairs: list[tuple[Any, Any]]) -> list[Any]:
-    """`select_into` of leaves already paired and checked: `(new value, donated leaf)` each.
-
-    Returns:
-        The donated leaves holding the chosen values (new tensors where not `writable`), and the
-        new values of non-tensor leaves.
-    """
     donated_storages = {_storage(b) for _, b in pairs if isinstance(b, torch.Tensor) and b.layout == torch.strided}
 
     def read_before_writes(a: Any, b: Any) -> Any:
@@ -161,13 +171,14 @@ def select_pairs_into(pred: torch.Tensor, pairs: list[tuple[Any, Any]]) -> list[
         return a.clone() if aliases and _storage(a) in donated_storages else a
 
     new_values = [read_before_writes(a, b) for a, b in pairs]
-    return [
+    selected = [
         torch.where(pred, a, b, out=b if writable(b) else None) if isinstance(a, torch.Tensor) else a
         for a, (_, b) in zip(new_values, pairs, strict=True)
     ]
+    return cast(Tree, pytree.tree_unflatten(selected, spec))
 
 
-def copy_aliases(tree: Tree, donated: Any) -> Tree:
+def copy_aliases(tree: Tree, donated_leaves: list[Any]) -> Tree:
     """`tree` with a copy of each tensor that may share memory with a donated one.
 
     For results a donated call returns beside the donated state (a loss function's `aux` that hands
@@ -181,14 +192,21 @@ def copy_aliases(tree: Tree, donated: Any) -> Tree:
 
     Args:
         tree: The results to protect.
-        donated: The tree of tensors that will be overwritten.
+        donated_leaves: The leaves of the tree that will be overwritten (as `check_distinct` returns them).
 
     Returns:
-        `tree`, with new tensors where its tensors may alias `donated`'s.
+        `tree`, with new tensors where its tensors may alias donated ones.
     """
     if torch.compiler.is_compiling():
         return cast(Tree, pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree))
-    storages = {_storage(d) for d in pytree.tree_leaves(donated) if isinstance(d, torch.Tensor) and _plain(d)}
+    # A result that is not itself donated and whose storage no other tensor refers to (the usual
+    # loss, made by the step) shares nothing: storages need only be compared when one is shared.
+    donated_ids = {id(d) for d in donated_leaves}
+    results = [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor) and _plain(x)]
+    alone = storage_use_count(torch.empty(()))  # the count of a storage with one tensor, measured the same way
+    if all(id(x) not in donated_ids and storage_use_count(x) == alone for x in results):
+        return tree
+    storages = {_storage(d) for d in donated_leaves if isinstance(d, torch.Tensor) and _plain(d)}
 
     def may_alias(x: torch.Tensor) -> bool:
         return _plain(x) and _storage(x) in storages

@@ -232,8 +232,7 @@ def train_step(
     if not isinstance(state.counts, StepCounts):
         got = type(state.counts).__name__
         raise TypeError(f"state.counts must be an fmp.StepCounts (TrainState.create makes one), got {got}")
-    if donate:
-        check_distinct(state, "state")  # before anything is written
+    donated_leaves = check_distinct(state, "state") if donate else []  # checked before anything is written
     params, opt_state, scaler, model_state = state.params, state.opt_state, state.scaler, state.model_state
     if has_model_state(model_state):
         check_model_state(model_state)
@@ -277,10 +276,11 @@ def train_step(
         update_finite = all_finite(updated)
         bad_update = applied & ~update_finite
         applied = applied & update_finite
-    writes_eagerly = donate and writes_in_place(updated if masked_update is None else grads, (params, opt_state))
+    # Judged over the whole donated state, params and optimizer state among it, from its leaves flattened once.
+    writes_eagerly = donate and writes_in_place(updated if masked_update is None else grads, donated_leaves)
     if writes_eagerly or (donate and torch.compiler.is_compiling()):
         # The loss and aux the step returns keep their values when the state's buffers are written.
-        loss, aux = copy_aliases((loss, aux), state)
+        loss, aux = copy_aliases((loss, aux), donated_leaves)
     if masked_update is not None:
         new_params, new_opt_state = masked_update(grads, opt_state, params, applied, writes_eagerly)
     elif writes_eagerly:

@@ -22,6 +22,7 @@ from torch.testing._internal.two_tensor import TwoTensor
 
 import fmp
 from fmp._donation import copy_aliases
+from fmp._donation import storage_use_count
 from fmp._donation import writable
 
 BF16 = fmp.get_policy("params=float32,compute=bfloat16,output=float32")
@@ -263,9 +264,19 @@ def test_an_aux_that_returns_the_donated_params_keeps_their_values(compiled: boo
 def test_copy_aliases_copies_only_what_shares_the_donated_storage() -> None:
     donated = {"w": torch.ones(4, 4), "b": torch.zeros(4)}
     unrelated, alias, view = torch.ones(4), donated["w"].detach(), donated["b"][1:]
-    kept, copied_alias, copied_view = copy_aliases((unrelated, alias, view), donated)
+    kept, copied_alias, copied_view = copy_aliases((unrelated, alias, view), list(donated.values()))
     assert kept is unrelated
     assert copied_alias is not alias and copied_view is not view
     assert copied_alias.data_ptr() != alias.data_ptr() and torch.equal(copied_view, view)
     subclass = TwoTensor(donated["b"], donated["b"])  # no storage of its own to compare: left as it is
-    assert copy_aliases(subclass, donated) is subclass
+    assert copy_aliases(subclass, list(donated.values())) is subclass
+
+
+def test_copy_aliases_copies_a_donated_tensor_itself_and_keeps_results_that_share_nothing() -> None:
+    donated = {"w": torch.ones(4), "b": torch.zeros(4)}
+    own = torch.ones(())  # a storage no other tensor refers to
+    kept, copied = copy_aliases((own, donated["w"]), list(donated.values()))
+    assert kept is own
+    assert copied is not donated["w"] and copied.data_ptr() != donated["w"].data_ptr()
+    # The donated tensor alone refers to its storage, so only its identity tells it apart.
+    assert storage_use_count(donated["w"]) == storage_use_count(torch.empty(()))

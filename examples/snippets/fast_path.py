@@ -21,8 +21,6 @@ state = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create())
 step = torch.compile(
     functools.partial(fmp.train_step, loss_fn, policy=policy, optimizer=optimizer, donate=True),
     fullgraph=True,
-    # Dynamo checks fewer guards before each call: none on fmp's and torch's own functions.
-    options={"guard_filter_fn": fmp.skip_library_code_guards},
 )
 state, info = step(state, torch.randn(32, 64), torch.randn(32, 1))  # the old `state` is handed over
 # --8<-- [end:donate]

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from fmp._donation import select_pairs_into
 from fmp._donation import writable
 from fmp._donation import writes_in_place
 from fmp._tree import select_tree
@@ -46,7 +45,9 @@ def runs_fused(params: list[Any], grads: list[Any], *trees: Any, in_place: bool)
     if not params or not writes_in_place(params, grads, trees):
         return False
     for x in params:
-        if type(x) is not torch.Tensor or x.dtype not in FUSED_DTYPES or x.device.type not in _FUSED_DEVICES:
+        # `is_cpu` and `is_cuda` first: property reads, where `.device` builds a device object per leaf.
+        on_fused_device = x.is_cpu or x.is_cuda or x.device.type in _FUSED_DEVICES
+        if type(x) is not torch.Tensor or x.dtype not in FUSED_DTYPES or not on_fused_device:
             return False
         if in_place and not writable(x):
             return False
@@ -60,9 +61,11 @@ def skip_flag(applied: torch.Tensor | None) -> torch.Tensor | None:
 
 def group_by_device_and_dtype(params: list[torch.Tensor]) -> list[list[int]]:
     """The indices of `params` in groups of one device and dtype, each group one kernel call (as torch groups them)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    groups: dict[tuple[Any, torch.dtype], list[int]] = {}
     for index, param in enumerate(params):
-        groups.setdefault((param.device, param.dtype), []).append(index)
+        # A CPU tensor's device read as a flag: `.device` builds a device object per leaf.
+        device = "cpu" if param.is_cpu else param.device
+        groups.setdefault((device, param.dtype), []).append(index)
     return list(groups.values())
 
 
@@ -84,9 +87,11 @@ def select_leaves(
     """`new` where `applied`, else `old`, leaf by leaf, written into `old` (donated) or into `new`.
 
     For eager updates whose new leaves are temporaries of their own: `torch.where` with `out=`,
-    bit for bit `select_tree`'s values. With `into_old`, the caller donated `old` and it is
-    written as `select_into` writes a donated tree.
+    bit for bit `select_tree`'s values. With `into_old`, the caller donated `old`, and each
+    `writable` leaf of it receives the result (one that is not is replaced by a new tensor).
+    Temporaries share no memory with the donated leaves, so none needs copying before the writes
+    that `select_into` guards against.
     """
     if into_old:
-        return select_pairs_into(applied, list(zip(new, old, strict=True)))
+        return [torch.where(applied, n, o, out=o if writable(o) else None) for n, o in zip(new, old, strict=True)]
     return [torch.where(applied, n, o, out=n) for n, o in zip(new, old, strict=True)]
