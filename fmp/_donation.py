@@ -133,6 +133,12 @@ def _storage(x: torch.Tensor) -> int:
     return x.untyped_storage().data_ptr()
 
 
+def _memory(x: torch.Tensor) -> tuple[int, int]:
+    """The addresses `x`'s storage spans, from its first byte to one past its last."""
+    storage = x.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+
+
 def storage_use_count(x: torch.Tensor) -> int:
     """How many references `x`'s storage has: its tensors (views and aliases included) and its Python object.
 
@@ -183,12 +189,12 @@ def copy_aliases(tree: Tree, donated_leaves: list[Any]) -> Tree:
 
     For results a donated call returns beside the donated state (a loss function's `aux` that hands
     back a param, a view of one or its `detach()`): copied before the writes, they keep the values
-    they had. Eager, sharing is read from the storages, and the plain tensors that share one are
-    copied; a tensor subclass is left as it is (its storage need not be its values', and some
-    cannot even be copied). Compiling,
-    storages cannot be traced, and a detached view of a donated tensor keeps no link to it, so
-    every tensor is copied: one copy of the loss and `aux` per step, which Inductor folds into the
-    kernel that computes them where it can.
+    they had. Eager, sharing is read from the memory the storages span, so a result that views a
+    donated tensor's memory through another storage (a NumPy round trip) is copied too; a tensor
+    subclass is left as it is (its storage need not be its values', and some cannot even be
+    copied). Compiling, storages cannot be traced, and a detached view of a donated tensor keeps no
+    link to it, so every tensor is copied: one copy of the loss and `aux` per step, which Inductor
+    folds into the kernel that computes them where it can.
 
     Args:
         tree: The results to protect.
@@ -199,17 +205,23 @@ def copy_aliases(tree: Tree, donated_leaves: list[Any]) -> Tree:
     """
     if torch.compiler.is_compiling():
         return cast(Tree, pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree))
-    # A result that is not itself donated and whose storage no other tensor refers to (the usual
-    # loss, made by the step) shares nothing: storages need only be compared when one is shared.
+    # A result that is not itself donated, whose storage torch allocated (not memory taken over from
+    # NumPy, DLPack or a buffer, which another storage may hold too) and which no other tensor refers
+    # to (the usual loss, made by the step) shares nothing: the donated memory is only looked at otherwise.
     donated_ids = {id(d) for d in donated_leaves}
     results = [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor) and _plain(x)]
     alone = storage_use_count(torch.empty(()))  # the count of a storage with one tensor, measured the same way
-    if all(id(x) not in donated_ids and storage_use_count(x) == alone for x in results):
+    if all(
+        id(x) not in donated_ids and x.untyped_storage().resizable() and storage_use_count(x) == alone for x in results
+    ):
         return tree
-    storages = {_storage(d) for d in donated_leaves if isinstance(d, torch.Tensor) and _plain(d)}
+    donated_memory = [_memory(d) for d in donated_leaves if isinstance(d, torch.Tensor) and _plain(d)]
 
     def may_alias(x: torch.Tensor) -> bool:
-        return _plain(x) and _storage(x) in storages
+        if not _plain(x):
+            return False
+        start, end = _memory(x)
+        return any(start < other_end and other_start < end for other_start, other_end in donated_memory)
 
     return cast(Tree, pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) and may_alias(x) else x, tree))
 

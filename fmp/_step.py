@@ -276,8 +276,8 @@ def train_step(
         update_finite = all_finite(updated)
         bad_update = applied & ~update_finite
         applied = applied & update_finite
-    # Judged over the whole donated state, params and optimizer state among it, from its leaves flattened once.
-    writes_eagerly = donate and writes_in_place(updated if masked_update is None else grads, donated_leaves)
+    # Only the params and the optimizer state are written eagerly: the rest of the state does not decide.
+    writes_eagerly = donate and writes_in_place(updated if masked_update is None else grads, (params, opt_state))
     if writes_eagerly or (donate and torch.compiler.is_compiling()):
         # The loss and aux the step returns keep their values when the state's buffers are written.
         loss, aux = copy_aliases((loss, aux), donated_leaves)

@@ -280,3 +280,54 @@ def test_copy_aliases_copies_a_donated_tensor_itself_and_keeps_results_that_shar
     assert copied is not donated["w"] and copied.data_ptr() != donated["w"].data_ptr()
     # The donated tensor alone refers to its storage, so only its identity tells it apart.
     assert storage_use_count(donated["w"]) == storage_use_count(torch.empty(()))
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["whole", "from-the-second-element"])
+def test_an_aux_viewing_a_donated_param_through_numpy_keeps_its_values(offset: int) -> None:
+    # Another storage over the same memory: only the addresses tell that it aliases the param.
+    optimizer = fmp.optim.sgd(0.5)
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> Any:
+        return torch.nn.functional.mse_loss(x @ p["w"], y), torch.from_numpy(p["w"].detach().numpy()[offset:])
+
+    results = []
+    for donate in (False, True):
+        state = fmp.TrainState.create({"w": torch.ones(8, 1)}, optimizer, fmp.DynamicLossScale.create(1.0))
+        _, info = fmp.train_step(
+            loss_fn,
+            state,
+            torch.ones(4, 8),
+            torch.zeros(4, 1),
+            policy=F32,
+            optimizer=optimizer,
+            has_aux=True,
+            donate=donate,
+        )
+        assert bool(info.applied)
+        results.append(info.aux)
+    assert torch.equal(results[1], torch.ones(8 - offset, 1))
+    assert_trees_bitwise_equal(results[0], results[1])
+
+
+def test_eager_donation_writes_the_params_whatever_the_model_state_holds() -> None:
+    # The model state is not written in place: an inference tensor there leaves donation on.
+    with torch.inference_mode():
+        constant = torch.ones(3)
+
+    def loss_fn(p: dict[str, torch.Tensor], model_state: dict[str, torch.Tensor], x: torch.Tensor) -> Any:
+        return (x @ p["w"]).square().mean() + 0 * model_state["c"].sum(), {"c": model_state["c"]}
+
+    state = fmp.TrainState.create(
+        {"w": torch.randn(8, 1)}, ADAMW, fmp.DynamicLossScale.create(1.0), model_state={"c": constant}
+    )
+    before = [
+        x.data_ptr() for x in pytree.tree_leaves((state.params, state.opt_state.exp_avg, state.opt_state.exp_avg_sq))
+    ]
+    copied = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
+    pure, _ = fmp.train_step(loss_fn, copied, torch.ones(4, 8), policy=F32, optimizer=ADAMW)
+    state, _ = fmp.train_step(loss_fn, state, torch.ones(4, 8), policy=F32, optimizer=ADAMW, donate=True)
+    after = [
+        x.data_ptr() for x in pytree.tree_leaves((state.params, state.opt_state.exp_avg, state.opt_state.exp_avg_sq))
+    ]
+    assert after == before
+    assert_trees_bitwise_equal(state, pure)

@@ -159,3 +159,33 @@ def test_a_compiled_step_with_a_fused_optimizer_traces_whole_and_takes_the_pure_
     for x in batches:
         state, _ = step(loss_fn, state, x, policy=POLICY, optimizer=optimizer)
     assert_trees_bitwise_equal(state.params, expected.params)
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["pure", "donated"])
+@pytest.mark.parametrize("case", ["adamw", "sgd"])
+def test_non_contiguous_params_take_the_unfused_update(case: str, donate: bool) -> None:
+    # torch's fused kernels walk memory in order whatever the strides: a transposed or strided param
+    # would be updated with another element's gradient, so such params take the fused=False maths.
+    fused, _ = CASES[case]
+    unfused = {
+        "adamw": lambda: fmp.optim.adamw(1e-2, weight_decay=0.1),
+        "sgd": lambda: fmp.optim.sgd(0.1, weight_decay=0.01),
+    }
+    policy = fmp.get_policy("params=float32,compute=float32,output=float32")
+
+    def strided() -> dict[str, torch.Tensor]:
+        return {"t": torch.arange(12.0).reshape(3, 4).T, "s": torch.zeros(16)[::2].add_(torch.arange(8.0))}
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return (p["t"] * x[:12].reshape(4, 3)).sum() + (p["s"] * p["s"] * x[12:20]).sum()
+
+    x = torch.linspace(-1.0, 1.0, 20)
+    results = []
+    for optimizer, start in ((fused(), strided()), (unfused[case](), strided())):
+        assert not start["t"].is_contiguous() and not start["s"].is_contiguous()
+        state = fmp.TrainState.create(start, optimizer, fmp.DynamicLossScale.create(1.0))
+        for _ in range(2):
+            state, info = fmp.train_step(loss_fn, state, x, policy=policy, optimizer=optimizer, donate=donate)
+            assert bool(info.applied)
+        results.append(state.params)
+    assert_trees_bitwise_equal(results[0], results[1])

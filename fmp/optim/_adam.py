@@ -258,7 +258,7 @@ def _adam(
         spec, param_leaves, (grad_leaves, exp_avg_leaves, exp_avg_sq_leaves), specs = leaves_like_params(
             name, params, trees
         )
-        if not runs_fused(param_leaves, grad_leaves, state, in_place=in_place):
+        if not runs_fused(param_leaves, grad_leaves, state):
             return unfused_update(update, grads, state, params, applied)
         _check_eps_in_param_dtypes(name, eps, params, param_leaves)
         _check_dense(name, grads, grad_leaves)
@@ -324,7 +324,7 @@ def adam(
             every tensor, results bit for bit that optimizer's (which differ from `fused=False`'s
             in the last bits), and a skipped step handled inside the kernel instead of by a
             select. Under torch.compile or `torch.func` transforms, and for tensors the kernel
-            does not take (complex ones), the update is `fused=False`'s. See
+            does not take (complex or non-contiguous ones), the update is `fused=False`'s. See
             [Performance and memory tuning](../how-to/performance-tuning.md).
 
     Returns:
@@ -359,7 +359,7 @@ def adamw(
             every tensor, results bit for bit that optimizer's (which differ from `fused=False`'s
             in the last bits), and a skipped step handled inside the kernel instead of by a
             select. Under torch.compile or `torch.func` transforms, and for tensors the kernel
-            does not take (complex ones), the update is `fused=False`'s. See
+            does not take (complex or non-contiguous ones), the update is `fused=False`'s. See
             [Performance and memory tuning](../how-to/performance-tuning.md).
 
     Returns:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+import fmp._pytree as pytree
 from fmp._donation import writable
 from fmp._donation import writes_in_place
 from fmp._tree import select_tree
@@ -35,23 +36,26 @@ FUSED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.fl
 _FUSED_DEVICES = frozenset({"cpu", "cuda"})
 
 
-def runs_fused(params: list[Any], grads: list[Any], *trees: Any, in_place: bool) -> bool:
-    """Whether the fused kernel can take these leaves now: eager, plain dense tensors of a fused dtype.
+def runs_fused(params: list[Any], grads: list[Any], *trees: Any) -> bool:
+    """Whether the fused kernel can take these leaves now: eager, plain contiguous tensors of a fused dtype.
 
     Not while compiling or under a `torch.func` transform, nor where autograd records a leaf (a
     meta-gradient through the step), nor for complex or sparse tensors, tensor subclasses, or
-    devices without the kernels; with `in_place`, every written tensor must be `writable`.
+    devices without the kernels. Every tensor the kernel receives (params, gradients and the
+    tensors of `trees`, such as Adam's moments) must be contiguous: torch's fused kernels walk
+    their memory in order whatever the strides (a transposed param would be updated with
+    another element's gradient), and a contiguous param is one the kernel may also write in place.
     """
     if not params or not writes_in_place(params, grads, trees):
         return False
     for x in params:
         # `is_cpu` and `is_cuda` first: property reads, where `.device` builds a device object per leaf.
         on_fused_device = x.is_cpu or x.is_cuda or x.device.type in _FUSED_DEVICES
-        if type(x) is not torch.Tensor or x.dtype not in FUSED_DTYPES or not on_fused_device:
+        if type(x) is not torch.Tensor or x.dtype not in FUSED_DTYPES or not on_fused_device or not x.is_contiguous():
             return False
-        if in_place and not writable(x):
-            return False
-    return all(type(g) is torch.Tensor and g.layout == torch.strided for g in grads)
+    if not all(type(g) is torch.Tensor and g.layout == torch.strided and g.is_contiguous() for g in grads):
+        return False
+    return all(x.is_contiguous() for x in pytree.tree_leaves(trees) if isinstance(x, torch.Tensor))
 
 
 def skip_flag(applied: torch.Tensor | None) -> torch.Tensor | None:

@@ -113,8 +113,8 @@ def sgd(
             every tensor, results bit for bit that optimizer's, and a skipped step handled inside
             the kernel instead of by a select. Without momentum only (torch's fused kernel seeds
             momentum buffers by a flag read on the host). Under torch.compile or `torch.func`
-            transforms, and for tensors the kernel does not take (complex or sparse ones), the
-            update is `fused=False`'s. See
+            transforms, and for tensors the kernel does not take (complex, sparse or
+            non-contiguous ones), the update is `fused=False`'s. See
             [Performance and memory tuning](../how-to/performance-tuning.md).
 
     Returns:
@@ -171,7 +171,7 @@ def sgd(
             grads: Any, state: tuple[()], params: Any, applied: torch.Tensor | None, in_place: bool
         ) -> tuple[Any, tuple[()]]:
             spec, param_leaves, (grad_leaves,), _ = leaves_like_params("sgd", params, {"grads": grads})
-            if not (type(state) is tuple and not state) or not runs_fused(param_leaves, grad_leaves, in_place=in_place):
+            if not (type(state) is tuple and not state) or not runs_fused(param_leaves, grad_leaves):
                 return unfused_update(update_stateless, grads, state, params, applied)
             new_params = _fused_descent(param_leaves, grad_leaves, fixed_lr, weight_decay, applied, in_place)
             return pytree.tree_unflatten(new_params, spec), state
@@ -228,7 +228,7 @@ def sgd(
     ) -> tuple[Any, SgdState]:
         check_state(name, state, SgdState)
         spec, param_leaves, (grad_leaves,), _ = leaves_like_params(name, params, {"grads": grads})
-        if pytree.tree_leaves(state.momentum) or not runs_fused(param_leaves, grad_leaves, state, in_place=in_place):
+        if pytree.tree_leaves(state.momentum) or not runs_fused(param_leaves, grad_leaves, state):
             return unfused_update(update, grads, state, params, applied)
         lr_now = scheduled_lr(lr, state.step)
         new_params = _fused_descent(param_leaves, grad_leaves, lr_now, weight_decay, applied, in_place)
