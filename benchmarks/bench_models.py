@@ -40,8 +40,13 @@ of what was allocated before it (torch.cuda.max_memory_allocated); it is not mea
 The last column is each contender's loss at its last step, on the same batches for all, as a check
 that they train alike.
 
+--machinery keeps each model's params and buffers but replaces its forward with the sum of each
+param's squares, so that a step is nearly all machinery (the scaler, the optimizer, the step's
+checks and bookkeeping over that model's tensors): it times what the library adds to a step, with
+the eager rows only, and far less noise than the model's own time carries on a shared machine.
+
     python benchmarks/bench_models.py [--device cuda] [--models gpt2 llama] [--steps 10 --rounds 5]
-                                      [--threads 2] [--json results.json]
+                                      [--interleave] [--machinery] [--threads 2] [--json results.json]
 """
 
 from __future__ import annotations
@@ -182,6 +187,18 @@ def build_contenders(model: nn.Module, device: torch.device, dtype: torch.dtype)
     return contenders
 
 
+class Machinery(nn.Module):
+    """A model's params and buffers with a forward that reads each trainable param once: a step of machinery."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *batch: torch.Tensor) -> torch.Tensor:
+        squares = [(p * p).sum() for p in self.model.parameters() if p.requires_grad]
+        return torch.stack(squares).sum() * 1e-3
+
+
 def make_batches(zoo_case: zoo.ZooCase, sizes: dict[str, int], device: torch.device, steps: int) -> list[Batch]:
     generator = torch.Generator().manual_seed(1)
     batches = [zoo_case.batch(generator, **sizes) for _ in range(steps)]
@@ -212,13 +229,16 @@ def gpu_peak_bytes(contender: Contender, batch: Batch, device: torch.device) -> 
 
 
 def run_model(
-    name: str, device: torch.device, dtype: torch.dtype, steps: int, rounds: int, interleave: bool
+    name: str, device: torch.device, dtype: torch.dtype, steps: int, rounds: int, interleave: bool, machinery: bool
 ) -> dict[str, Any]:
     torch._dynamo.reset()  # the last model's graphs would count against the recompile limit
     zoo_case = zoo.case(name)
     build_sizes, batch_sizes = SIZES[device.type][name]
     model = zoo_case.build(**build_sizes)
-    contenders = build_contenders(model, device, dtype)
+    contenders = build_contenders(Machinery(model) if machinery else model, device, dtype)
+    if machinery:
+        eager = (EAGER_REF, FUSED_REF, "fmp eager", "fmp eager, fused")
+        contenders = {label: c for label, c in contenders.items() if label in eager}
     batches = make_batches(zoo_case, batch_sizes, device, steps)
     for contender in contenders.values():  # warm-up: compiles happen here
         contender.first_call = run_steps(contender, batches[:1], device)
@@ -242,7 +262,8 @@ def run_model(
 
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     sizes = ", ".join(f"{k}={v}" for k, v in {**build_sizes, **batch_sizes}.items())
-    print(f"\n{name}: {n_params / 1e6:.2f} M params, {sizes}, {steps} steps x {rounds} rounds")
+    what = f"{name}'s machinery ({len(fmp.nn.split(model)[0])} params)" if machinery else name
+    print(f"\n{what}: {n_params / 1e6:.2f} M params, {sizes}, {steps} steps x {rounds} rounds")
     print(
         f"  {'contender':>21}  {'ms/step':>8}  {'ratio':>5}  {'best ms':>8}  {'ratio':>5}  {'peak MB':>8}  "
         f"{'mem ratio':>9}  {'first call, graphs':>18}  {'last loss':>9}"
@@ -286,6 +307,11 @@ def main() -> None:
         action="store_true",
         help="contenders take turns step by step within a round, not round by round",
     )
+    parser.add_argument(
+        "--machinery",
+        action="store_true",
+        help="eager rows only, each model's forward replaced by the sum of its params' squares",
+    )
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (CPU)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], help="compute dtype (bfloat16 CPU, float16 CUDA)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -296,7 +322,10 @@ def main() -> None:
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cpu" else "float16"))
     print(describe_machine(device) + f", compute {str(dtype).removeprefix('torch.')}")
     print("ratio: time over torch.amp eager (eager rows; fused over fused) or compiled (compiled rows)")
-    results = {name: run_model(name, device, dtype, args.steps, args.rounds, args.interleave) for name in args.models}
+    results = {
+        name: run_model(name, device, dtype, args.steps, args.rounds, args.interleave, args.machinery)
+        for name in args.models
+    }
     if args.json:
         machine = describe_machine(device)
         Path(args.json).write_text(json.dumps({"machine": machine, "models": results}, indent=1))
