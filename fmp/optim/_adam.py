@@ -186,9 +186,15 @@ def _adam(
             denom = torch._foreach_sqrt(moment2)
             torch._foreach_div_(denom, scalars32[1])
             torch._foreach_add_(denom, eps)
-            step_update = torch._foreach_mul(moment1, scalars32[0])
-            torch._foreach_div_(step_update, denom)
-            updated = list(torch._foreach_sub(decayed, step_update))
+            if every[0].is_cpu:
+                # As torch.optim's param.addcdiv_(exp_avg, denom, value=-step_size), in one call: the
+                # kernel reads its per-tensor values from a CPU tensor (on CUDA it would have to sync).
+                step_sizes = scalars32[:1].neg().expand(len(param_leaves)).contiguous()
+                updated = list(torch._foreach_addcdiv(decayed, moment1, denom, step_sizes))
+            else:
+                step_update = torch._foreach_mul(moment1, scalars32[0])
+                torch._foreach_div_(step_update, denom)
+                updated = list(torch._foreach_sub(decayed, step_update))
             old = [param_leaves, exp_avg_leaves, exp_avg_sq_leaves]
             return _NewLeaves(spec, specs, old, [updated, moment1, moment2], step, fresh=True)
         exp_avg = [
