@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import gc
+import json
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,6 +53,36 @@ def tree_bytes(tree: Any) -> int:
         if isinstance(leaf, torch.Tensor):
             seen[id(leaf)] = leaf.numel() * leaf.element_size()
     return sum(seen.values())
+
+
+# A CPU peak-memory probe runs in a subprocess whose malloc hands every block of 64 KiB or more back
+# to the system when freed, so the resident size follows the live tensors.
+CPU_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
+
+def _resident_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def cpu_peak_bytes(step: Callable[[], object], state: Callable[[], Any]) -> int:
+    """Bytes of `state()` plus the most two calls of `step` raise the resident size (Linux, CPU_MEMORY_ENV)."""
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
+    before = _resident_kib("VmRSS")
+    for _ in range(2):
+        step()
+    return tree_bytes(state()) + (_resident_kib("VmHWM") - before) * 1024
+
+
+def run_probe(command: list[str], env: Mapping[str, str]) -> Any:
+    """Runs a probe subprocess and returns the JSON on its last line of output."""
+    out = subprocess.run(command, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def describe_machine(device: torch.device) -> str:

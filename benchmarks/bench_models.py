@@ -34,9 +34,12 @@ The compute dtype is bfloat16 on a CPU and float16 on CUDA (torch.amp's usual GP
 loss scaling matters); --dtype overrides it. Compiled rows also print their first call's time
 (compile included; Inductor's caches are on disk, so set TORCHINDUCTOR_CACHE_DIR=<empty dir> for
 cold figures) and the graphs Dynamo compiled over all their calls: 1 for a whole step, or a
-forward without graph breaks, that never recompiles. Peak memory (CUDA only) is the contender's
-state kept between steps (params, optimizer state, scaler) plus the most one step allocates on top
-of what was allocated before it (torch.cuda.max_memory_allocated); it is not measured on a CPU.
+forward without graph breaks, that never recompiles. Peak memory is the contender's state kept
+between steps (params, optimizer state, scaler) plus the most one step allocates on top of what was
+allocated before it: on CUDA from torch.cuda.max_memory_allocated; on a CPU from the peak resident
+size (VmHWM) over two steps, in a subprocess that builds the contenders anew and whose malloc hands
+every freed block of 64 KiB or more back to the system (MALLOC_MMAP_THRESHOLD_), so that resident
+size follows the live tensors.
 The last column is each contender's loss at its last step, on the same batches for all, as a check
 that they train alike.
 
@@ -57,6 +60,7 @@ import dataclasses
 import functools
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -65,7 +69,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import CPU_MEMORY_ENV
+from _common import cpu_peak_bytes
 from _common import describe_machine
+from _common import run_probe
 from _common import synchronize
 from _common import tree_bytes
 from torch import nn
@@ -228,6 +235,40 @@ def gpu_peak_bytes(contender: Contender, batch: Batch, device: torch.device) -> 
     return tree_bytes(contender.state()) + torch.cuda.max_memory_allocated(device) - before
 
 
+def model_contenders(
+    model: nn.Module, device: torch.device, dtype: torch.dtype, machinery: bool
+) -> dict[str, Contender]:
+    """The contenders for `model`: every one, or with `machinery` the eager ones on its machinery."""
+    contenders = build_contenders(Machinery(model) if machinery else model, device, dtype)
+    if not machinery:
+        return contenders
+    eager = (EAGER_REF, FUSED_REF, "fmp eager", "fmp eager, fused")
+    return {label: c for label, c in contenders.items() if label in eager}
+
+
+def memory_probe(name: str, dtype: torch.dtype, machinery: bool) -> dict[str, int]:
+    """Runs in a subprocess on CPU: each contender's peak bytes, measured one after another."""
+    device = torch.device("cpu")
+    zoo_case = zoo.case(name)
+    build_sizes, batch_sizes = SIZES["cpu"][name]
+    contenders = model_contenders(zoo_case.build(**build_sizes), device, dtype, machinery)
+    batch = make_batches(zoo_case, batch_sizes, device, 1)[0]
+    peaks = {}
+    for label, contender in contenders.items():
+        for _ in range(2):  # compiles, and allocates what the contender keeps
+            contender.step(batch)
+        peaks[label] = cpu_peak_bytes(functools.partial(contender.step, batch), contender.state)
+    return peaks
+
+
+def cpu_peaks(name: str, dtype: torch.dtype, machinery: bool) -> dict[str, int]:
+    command = [sys.executable, __file__, "--memory-probe", name, "--dtype", str(dtype).removeprefix("torch.")]
+    if machinery:
+        command.append("--machinery")
+    peaks: dict[str, int] = run_probe(command, dict(os.environ, **CPU_MEMORY_ENV))
+    return peaks
+
+
 def run_model(
     name: str, device: torch.device, dtype: torch.dtype, steps: int, rounds: int, interleave: bool, machinery: bool
 ) -> dict[str, Any]:
@@ -235,10 +276,7 @@ def run_model(
     zoo_case = zoo.case(name)
     build_sizes, batch_sizes = SIZES[device.type][name]
     model = zoo_case.build(**build_sizes)
-    contenders = build_contenders(Machinery(model) if machinery else model, device, dtype)
-    if machinery:
-        eager = (EAGER_REF, FUSED_REF, "fmp eager", "fmp eager, fused")
-        contenders = {label: c for label, c in contenders.items() if label in eager}
+    contenders = model_contenders(model, device, dtype, machinery)
     batches = make_batches(zoo_case, batch_sizes, device, steps)
     for contender in contenders.values():  # warm-up: compiles happen here
         contender.first_call = run_steps(contender, batches[:1], device)
@@ -256,9 +294,10 @@ def run_model(
                 spent[label] += run_steps(contenders[label], [batch], device)
         for label in order:
             contenders[label].times.append(spent[label] / len(batches))
-    peaks: dict[str, int] = {}
     if device.type == "cuda":
         peaks = {label: gpu_peak_bytes(c, batches[0], device) for label, c in contenders.items()}
+    else:
+        peaks = cpu_peaks(name, dtype, machinery)
 
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     sizes = ", ".join(f"{k}={v}" for k, v in {**build_sizes, **batch_sizes}.items())
@@ -273,9 +312,7 @@ def run_model(
         ref = contenders[c.reference]
         median, best = statistics.median(c.times), min(c.times)
         ratio, best_ratio = median / statistics.median(ref.times), best / min(ref.times)
-        peak = (
-            f"{peaks[label] / 1e6:8.1f}  {peaks[label] / peaks[c.reference]:9.2f}" if peaks else f"{'-':>8}  {'-':>9}"
-        )
+        peak = f"{peaks[label] / 1e6:8.1f}  {peaks[label] / peaks[c.reference]:9.2f}"
         first = f"{c.first_call:6.1f} s, {c.graphs:>3}" if c.compiled else ""
         print(
             f"  {label:>21}  {median * 1e3:8.2f}  {ratio:5.2f}  {best * 1e3:8.2f}  {best_ratio:5.2f}  {peak}  "
@@ -288,7 +325,7 @@ def run_model(
             "best_ratio": best_ratio,
             "reference": c.reference,
             "rounds_ms": [t * 1e3 for t in c.times],
-            "peak_bytes": peaks.get(label),
+            "peak_bytes": peaks[label],
             "first_call_s": c.first_call if c.compiled else None,
             "graphs": c.graphs if c.compiled else None,
             "last_loss": c.loss,
@@ -315,11 +352,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (CPU)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], help="compute dtype (bfloat16 CPU, float16 CUDA)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--memory-probe", metavar="MODEL", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cpu" else "float16"))
+    if args.memory_probe:
+        print(json.dumps(memory_probe(args.memory_probe, dtype, args.machinery)))
+        return
     print(describe_machine(device) + f", compute {str(dtype).removeprefix('torch.')}")
     print("ratio: time over torch.amp eager (eager rows; fused over fused) or compiled (compiled rows)")
     results = {

@@ -53,17 +53,18 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from _common import CPU_MEMORY_ENV
+from _common import cpu_peak_bytes
 from _common import describe_machine
+from _common import run_probe
 from _common import synchronize
 from _common import tree_bytes
 from torch import nn
@@ -318,14 +319,6 @@ def time_probe(key: str, label: str, steps: int) -> dict[str, Any]:
     return {"seconds": timing.seconds, "faults": timing.faults, "warm_up": contender.warm_up_seconds, "graphs": graphs}
 
 
-def _run_probe(command: list[str], env: Mapping[str, str]) -> Any:
-    """Runs a probe subprocess and returns the JSON on its last line of output."""
-    out = subprocess.run(command, env=env, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def isolated_timings(key: str, labels: list[str], steps: int, rounds: int) -> dict[str, list[dict[str, Any]]]:
     """Times each contender in a process of its own, the processes taking turns round by round.
 
@@ -337,7 +330,7 @@ def isolated_timings(key: str, labels: list[str], steps: int, rounds: int) -> di
     for _ in range(rounds):
         for label in labels:
             command = [sys.executable, __file__, "--time-probe", key, label, "--steps", str(steps)]
-            timings[label].append(_run_probe(command, os.environ))
+            timings[label].append(run_probe(command, os.environ))
     return timings
 
 
@@ -351,22 +344,6 @@ def gpu_peak_bytes(contender: Contender, batch: Batch, device: torch.device) -> 
     return tree_bytes(contender.state()) + torch.cuda.max_memory_allocated(device) - before
 
 
-def _resident_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def cpu_peak_bytes(contender: Contender, batch: Batch) -> int:
-    gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
-    before = _resident_kib("VmRSS")
-    for _ in range(2):
-        contender.step(*batch)
-    return tree_bytes(contender.state()) + (_resident_kib("VmHWM") - before) * 1024
-
-
 def memory_probe(setting: Setting, labels: list[str]) -> dict[str, int]:
     """Runs in a subprocess on CPU: each contender's peak bytes, measured one after another."""
     device = torch.device("cpu")
@@ -376,13 +353,13 @@ def memory_probe(setting: Setting, labels: list[str]) -> dict[str, int]:
     for label, contender in contenders.items():
         for _ in range(2):
             contender.step(*batch)
-        peaks[label] = cpu_peak_bytes(contender, batch)
+        peaks[label] = cpu_peak_bytes(functools.partial(contender.step, *batch), contender.state)
     return peaks
 
 
 def cpu_peaks(key: str, labels: list[str]) -> dict[str, int]:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    peaks: dict[str, int] = _run_probe([sys.executable, __file__, "--memory-probe", key, *labels], env)
+    env = dict(os.environ, **CPU_MEMORY_ENV)
+    peaks: dict[str, int] = run_probe([sys.executable, __file__, "--memory-probe", key, *labels], env)
     return peaks
 
 
