@@ -145,6 +145,8 @@ def _with_autograd(fn: Callable[..., tuple[torch.Tensor, Any]], params: Any, *ar
     if read:
         _raise_for_module_parameters(read)
     record = bool(foreign)
+    # One name for both lists: the tuple autograd returns would otherwise hold each gradient once
+    # more, and none would count as owned.
     grads = list(torch.autograd.grad(loss, inputs, allow_unused=True, create_graph=record))
     grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs, strict=True)]
     if record:

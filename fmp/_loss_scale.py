@@ -323,14 +323,13 @@ class DynamicLossScale(_TensorScale):
             back_off = ~grads_finite & (streak >= self.hysteresis)
             new_scale, tracker = scale_update(scale, self.growth_tracker, grads_finite, back_off, *factors)
         # torch.where, not clamp: clamp passes NaN through, and a NaN scale would skip every step.
-        ok = in_range
         reset = torch.full_like(scale, min(max(RESET_SCALE, self.min_scale), self.max_scale))
         return replace(
             self,
-            loss_scale=torch.where(ok, new_scale.clamp(self.min_scale, self.max_scale), reset),
+            loss_scale=torch.where(in_range, new_scale.clamp(self.min_scale, self.max_scale), reset),
             # The counters times a bool flag: 0 where it is False (exact, one op where a select needs two).
-            growth_tracker=tracker * ok,
-            overflow_streak=streak * (ok & ~grads_finite),
+            growth_tracker=tracker * in_range,
+            overflow_streak=streak * (in_range & ~grads_finite),
         )
 
     def state_dict(self) -> dict[str, float | int]:

@@ -30,6 +30,7 @@ from fmp.optim._base import scheduled_lr
 from fmp.optim._base import step_counter
 from fmp.optim._base import tree_zeros_like
 from fmp.optim._base import unflatten_as
+from fmp.optim._fused import counted_step
 from fmp.optim._fused import group_by_device_and_dtype
 from fmp.optim._fused import runs_fused
 from fmp.optim._fused import select_leaves
@@ -297,10 +298,8 @@ def _adam(
                 grad_scale=None,
                 found_inf=found_inf,
             )
-        step = state.step + 1 if applied is None else state.step + applied.to(state.step.dtype)
-        new_state = AdamState(
-            step, unflatten_as(exp_avg_leaves, spec, specs[1]), unflatten_as(exp_avg_sq_leaves, spec, specs[2])
-        )
+        moments = (unflatten_as(exp_avg_leaves, spec, specs[1]), unflatten_as(exp_avg_sq_leaves, spec, specs[2]))
+        new_state = AdamState(counted_step(state.step, applied), *moments)
         return pytree.tree_unflatten(param_leaves, spec), new_state
 
     def fused_update(grads: Any, state: AdamState, params: Any) -> tuple[Any, AdamState]:

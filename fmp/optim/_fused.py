@@ -25,6 +25,7 @@ from fmp._tree import select_tree
 
 __all__ = [
     "FUSED_DTYPES",
+    "counted_step",
     "group_by_device_and_dtype",
     "runs_fused",
     "select_leaves",
@@ -33,7 +34,6 @@ __all__ = [
 ]
 
 FUSED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
-_FUSED_DEVICES = frozenset({"cpu", "cuda"})
 
 
 def runs_fused(params: list[Any], grads: list[Any], *trees: Any) -> bool:
@@ -46,16 +46,23 @@ def runs_fused(params: list[Any], grads: list[Any], *trees: Any) -> bool:
     their memory in order whatever the strides (a transposed param would be updated with
     another element's gradient), and a contiguous param is one the kernel may also write in place.
     """
-    if not params or not writes_in_place(params, grads, trees):
+    others = pytree.tree_leaves(trees)
+    if not params or not writes_in_place(params, grads, others):
         return False
     for x in params:
-        # `is_cpu` and `is_cuda` first: property reads, where `.device` builds a device object per leaf.
-        on_fused_device = x.is_cpu or x.is_cuda or x.device.type in _FUSED_DEVICES
-        if type(x) is not torch.Tensor or x.dtype not in FUSED_DTYPES or not on_fused_device or not x.is_contiguous():
+        # The devices with the kernels, read as properties: `.device` builds a device object per leaf.
+        if type(x) is not torch.Tensor or x.dtype not in FUSED_DTYPES or not (x.is_cpu or x.is_cuda):
+            return False
+        if not x.is_contiguous():
             return False
     if not all(type(g) is torch.Tensor and g.layout == torch.strided and g.is_contiguous() for g in grads):
         return False
-    return all(x.is_contiguous() for x in pytree.tree_leaves(trees) if isinstance(x, torch.Tensor))
+    return all(x.is_contiguous() for x in others if isinstance(x, torch.Tensor))
+
+
+def counted_step(step: torch.Tensor, applied: torch.Tensor | None) -> torch.Tensor:
+    """The optimizer's step count after a kernel call: one more where applied (None: always)."""
+    return step + 1 if applied is None else step + applied.to(step.dtype)
 
 
 def skip_flag(applied: torch.Tensor | None) -> torch.Tensor | None:

@@ -25,6 +25,7 @@ from fmp.optim._base import scheduled_lr
 from fmp.optim._base import step_counter
 from fmp.optim._base import tree_zeros_like
 from fmp.optim._base import unflatten_as
+from fmp.optim._fused import counted_step
 from fmp.optim._fused import group_by_device_and_dtype
 from fmp.optim._fused import runs_fused
 from fmp.optim._fused import skip_flag
@@ -232,8 +233,7 @@ def sgd(
             return unfused_update(update, grads, state, params, applied)
         lr_now = scheduled_lr(lr, state.step)
         new_params = _fused_descent(param_leaves, grad_leaves, lr_now, weight_decay, applied, in_place)
-        step = state.step + 1 if applied is None else state.step + applied.to(state.step.dtype)
-        return pytree.tree_unflatten(new_params, spec), SgdState(step, state.momentum)
+        return pytree.tree_unflatten(new_params, spec), SgdState(counted_step(state.step, applied), state.momentum)
 
     def fused_update(grads: Any, state: SgdState, params: Any) -> tuple[Any, SgdState]:
         return masked_update(grads, state, params, None, False)
