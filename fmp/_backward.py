@@ -166,6 +166,23 @@ def _needs_transform(args: Any) -> bool:
     return any(isinstance(x, torch.Tensor) and x.requires_grad for x in pytree.tree_leaves(args))
 
 
+def _viewing_params(fn: Callable[..., tuple[torch.Tensor, Any]]) -> Callable[..., tuple[torch.Tensor, Any]]:
+    """`fn` called with a view of each param, so that Dynamo calls the backward of the Functions it reaches.
+
+    Dynamo (torch 2.13) inlines an `autograd.Function`'s forward, and differentiates that instead of
+    calling the Function's backward, when none of its tensor arguments requires grad as Dynamo sees
+    them; `torch.func.grad`'s own inputs do not, the results of ops on them (a view: no copy) do.
+    So a straight-through estimator or an FP8 matmul applied to a param as it is would otherwise
+    train on the wrong gradients, compiled only.
+    """
+
+    def with_views(params: Any, *args: Any) -> tuple[torch.Tensor, Any]:
+        views = pytree.tree_map(lambda p: p.view_as(p) if isinstance(p, torch.Tensor) else p, params)
+        return fn(views, *args)
+
+    return with_views
+
+
 def grad_and_aux(fn: Callable[..., tuple[torch.Tensor, Any]], params: Any, *args: Any) -> Differentiated:
     """`torch.func.grad(fn, argnums=0, has_aux=True)(params, *args)`, by plain autograd where it can.
 
@@ -186,7 +203,8 @@ def grad_and_aux(fn: Callable[..., tuple[torch.Tensor, Any]], params: Any, *args
     if not (torch.compiler.is_compiling() or _inside_transform() or _needs_transform(args)):
         return _with_autograd(fn, params, *args)
     try:
-        grads, aux = torch.func.grad(fn, argnums=0, has_aux=True)(params, *args)
+        differentiated = _viewing_params(fn) if torch.compiler.is_compiling() else fn
+        grads, aux = torch.func.grad(differentiated, argnums=0, has_aux=True)(params, *args)
         return Differentiated(grads, aux, frozenset())
     except RuntimeError as error:
         if _SETUP_CONTEXT_ERROR not in str(error):

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+import zoo
 from conftest import assert_trees_bitwise_equal
 from torch import nn
 
@@ -185,13 +186,74 @@ def _docs_function_grad(params: Any, scaler: fmp.LossScale, x: torch.Tensor) -> 
     )
 
 
+class ScaledBackwardMatMul(zoo.MatMul):
+    """The zoo's docs-style matmul with a backward that doubles the gradient: not the forward's derivative."""
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = ctx.saved_tensors
+        return 2 * grad.mm(b.t()), 2 * a.t().mm(grad)
+
+
+def _scaled_backward_grad(params: Any, scaler: fmp.LossScale, x: torch.Tensor) -> fmp.Gradients:
+    return fmp.mixed_precision_grad(
+        lambda p, x: ScaledBackwardMatMul.apply(x, p["w"]).float().sum(), params, scaler, x, policy=NATIVE
+    )
+
+
 @pytest.mark.compiled
 # Dynamo instantiates the Function class itself while tracing it, which torch deprecates.
 @pytest.mark.filterwarnings("ignore:<class 'torch.autograd.function.Function'> should not be instantiated")
-def test_compiled_a_ctx_style_function_gives_the_eager_gradients() -> None:
+def test_compiled_a_ctx_style_function_runs_its_own_backward_as_eager() -> None:
+    # (Its backward must not write Python state, as under torch.compile(model): Dynamo traces it.)
     params, scaler, x = {"w": torch.randn(3, 3)}, fmp.DynamicLossScale.create(), torch.randn(2, 3)
-    compiled = torch.compile(_docs_function_grad, fullgraph=True)(params, scaler, x)
-    assert torch.equal(compiled.grads["w"], _docs_function_grad(params, scaler, x).grads["w"])
+    compiled = torch.compile(_scaled_backward_grad, fullgraph=True)(params, scaler, x)
+    eager = _scaled_backward_grad(params, scaler, x)
+    assert torch.equal(compiled.grads["w"], eager.grads["w"])
+    derivative = fmp.mixed_precision_grad(
+        lambda p, x: x.mm(p["w"]).float().sum(), params, scaler, x, policy=NATIVE
+    ).grads["w"]
+    assert torch.equal(eager.grads["w"], 2 * derivative)
+
+
+class StraightThroughRound(torch.autograd.Function):
+    """Rounds forward, passes the gradient through backward: a backward that is not the forward's derivative."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+@pytest.mark.compiled
+@pytest.mark.filterwarnings("ignore:<class 'torch.autograd.function.Function'> should not be instantiated")
+@pytest.mark.parametrize("rules", ["cpu", "none"])
+def test_compiled_a_function_applied_to_a_param_as_it_is_runs_its_own_backward(rules: str) -> None:
+    # With the device's own rules the param reaches the Function uncast: a torch.func.grad input as
+    # it is, for which Dynamo would differentiate the forward (round: zero gradients) instead.
+    policy = fmp.get_policy(f"params=float32,compute=bfloat16,output=float32,rules={rules}")
+    optimizer = fmp.optim.sgd(0.1)
+    state = fmp.TrainState.create({"w": 3 * torch.randn(4, 3)}, optimizer, fmp.DynamicLossScale.create())
+    x = torch.randn(8, 4)
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return (x @ StraightThroughRound.apply(params["w"])).square().mean()
+
+    step = functools.partial(fmp.train_step, loss_fn, policy=policy, optimizer=optimizer)
+    eager, _ = step(state, x)
+    compiled, _ = torch.compile(step, fullgraph=True)(state, x)
+    assert not torch.equal(eager.params["w"], state.params["w"])
+    torch.testing.assert_close(compiled.params["w"], eager.params["w"], rtol=0.02, atol=0.01)
 
 
 def test_under_vmap_a_ctx_style_function_is_refused_with_the_way_out() -> None:
