@@ -101,17 +101,22 @@ def save_plot(path: Path, losses: list[float], scales: list[float], applied: lis
     save(plt, figure, path)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16", help="compute dtype")
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps")
-    parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per optimizer step")
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The GPT's and its data's sizes (examples/fp8_lm.py trains the same model)."""
     parser.add_argument("--batch", type=int, default=16, help="sequences per micro-batch")
     parser.add_argument("--vocab", type=int, default=64)
     parser.add_argument("--length", type=int, default=32)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16", help="compute dtype")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps")
+    parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per optimizer step")
+    add_model_arguments(parser)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--clip", type=float, default=1.0, help="max global gradient norm")
     parser.add_argument("--growth-interval", type=int, default=15, help="finite steps between scale growths")

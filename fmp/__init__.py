@@ -30,12 +30,12 @@ from fmp._policy import half_dtype
 from fmp._rounding import stochastic_round
 from fmp._scaler import Unscaled
 from fmp._scaler import unscale_and_adjust
+from fmp._stall import LossScaleStalledError
+from fmp._stall import raise_if_stalled
 from fmp._state import StepCounts
 from fmp._state import TrainState
-from fmp._step import LossScaleStalledError
 from fmp._step import StepInfo
 from fmp._step import mixed_precision_step
-from fmp._step import raise_if_stalled
 from fmp._step import train_step
 from fmp._struct import OPTREE_NAMESPACE
 from fmp._struct import resolve_annotations as _resolve_annotations

@@ -11,6 +11,7 @@ import torch.utils._pytree as py_pytree
 import fmp._pytree as pytree
 from fmp._accumulate import GradientAccumulator
 from fmp._checks import check_int
+from fmp._delayed_scaling import check_fp8_states
 from fmp._grad import ScalerTree
 from fmp._grad import check_param_leaves
 from fmp._grad import check_scalers
@@ -142,6 +143,9 @@ class TrainState(NamedTuple):
         model_state: The model's state that is not trained, such as BatchNorm's running
             statistics (flax's `batch_stats`): `()` for none, else a pytree of tensors that
             the loss function takes after the params and returns updated (see `train_step`).
+        fp8: FP8 delayed-scaling states, one `fmp.fp8.DelayedScalingState` per layer
+            (`fmp.fp8.init_states`): `()` for none. The step updates them from each step's
+            amaxes, and keeps them on a skipped step (see the FP8 how-to).
     """
 
     params: Any
@@ -150,6 +154,7 @@ class TrainState(NamedTuple):
     counts: StepCounts
     accumulator: GradientAccumulator | tuple[()]
     model_state: Any = ()
+    fp8: Any = ()
 
     @classmethod
     def create(
@@ -160,6 +165,7 @@ class TrainState(NamedTuple):
         *,
         accumulation_steps: int = 1,
         model_state: Any = (),
+        fp8: Any = (),
     ) -> TrainState:
         """Builds the state for `params`: initialises the optimizer, puts everything on their device.
 
@@ -180,14 +186,18 @@ class TrainState(NamedTuple):
             model_state: The model's untrained state, e.g. the buffers of `fmp.nn.split(model)`;
                 with it, the step calls `loss_fn(params, model_state, *args)`, which returns
                 `(out, new_model_state)`.
+            fp8: The FP8 delayed-scaling states of the layers `fmp.fp8.fp8_modules` runs with a
+                delayed recipe, from `fmp.fp8.init_states(model, recipes)`; they move to the
+                params' device.
 
         Returns:
             The state.
 
         Raises:
             TypeError, ValueError: If an argument has the wrong type or `accumulation_steps` < 1,
-                a leaf of `model_state` is not a tensor or is tracked by autograd, or a scaler
-                holds a value out of range (naming the field).
+                a leaf of `model_state` is not a tensor or is tracked by autograd, `fp8` holds
+                anything but DelayedScalingStates, or a scaler holds a value out of range (naming
+                the field).
         """
         check_optimizer(optimizer)
         check_scalers(scaler)
@@ -195,12 +205,15 @@ class TrainState(NamedTuple):
             check_scaler_values(one, f"scaler[{index}]" if isinstance(scaler, tuple) else "scaler")
         check_param_leaves(params)
         check_model_state(model_state)
+        check_fp8_states(fp8)
         steps = check_int("accumulation_steps", accumulation_steps, 1, torch.iinfo(torch.int32).max)
         device = tree_accelerator_device(params)
         if device is not None:
             scaler = pytree.tree_map(lambda t: t.to(device), scaler)
+            fp8 = pytree.tree_map(lambda t: t.to(device), fp8)
         accumulator = GradientAccumulator.create(params, scaler, steps) if steps > 1 else ()
-        return cls(params, optimizer.init(params), scaler, StepCounts.zeros(device), accumulator, model_state)
+        counts = StepCounts.zeros(device)
+        return cls(params, optimizer.init(params), scaler, counts, accumulator, model_state, fp8)
 
 
 def check_model_state(model_state: Any) -> None:

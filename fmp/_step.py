@@ -20,12 +20,16 @@ import torch
 import fmp._pytree as pytree
 from fmp._accumulate import GradientAccumulator
 from fmp._checks import check_bool
-from fmp._checks import check_int
 from fmp._donation import check_distinct
 from fmp._donation import copy_aliases
 from fmp._donation import donate_into
 from fmp._donation import select_into
 from fmp._donation import writes_in_place
+from fmp._fp8_step import advance_fp8
+from fmp._fp8_step import check_fp8_step
+from fmp._fp8_step import has_fp8_states
+from fmp._fp8_step import split_fp8_gradients
+from fmp._fp8_step import with_fp8_scales
 from fmp._grad import Gradients
 from fmp._grad import LossFn
 from fmp._grad import ScalerTree
@@ -52,7 +56,7 @@ from fmp._tree import check_finite_flag
 from fmp._tree import select_tree
 from fmp._tree import tree_accelerator_device
 
-__all__ = ["LossScaleStalledError", "StepInfo", "mixed_precision_step", "raise_if_stalled", "train_step"]
+__all__ = ["StepInfo", "loss_scales", "mixed_precision_step", "train_step"]
 
 Params = TypeVar("Params")
 
@@ -122,7 +126,7 @@ def _with_scales_in_range(
     return gradients._replace(grads_finite=grads_finite, finite_per_loss=finite_per_loss), ~all_in_range, in_range
 
 
-def _loss_scale(scaler: ScalerTree, device: torch.device) -> Any:
+def loss_scales(scaler: ScalerTree, device: torch.device) -> Any:
     """The scales for `StepInfo`, on the step's device (a NoOpLossScale holds no tensor to place it)."""
 
     def scale_of(s: LossScale) -> torch.Tensor:
@@ -234,16 +238,23 @@ def train_step(
         raise TypeError(f"state.counts must be an fmp.StepCounts (TrainState.create makes one), got {got}")
     donated_leaves = check_distinct(state, "state") if donate else []  # checked before anything is written
     params, opt_state, scaler, model_state = state.params, state.opt_state, state.scaler, state.model_state
+    fp8 = has_fp8_states(state.fp8)
+    check_fp8_step(loss_fn, fp8, scaler, reduce_grads, policy)
+    # With FP8 states, the step differentiates (params, scales): the scales' gradients are the amaxes.
+    loss_fn, differentiated = with_fp8_scales(loss_fn, params, state.fp8, scaler) if fp8 else (loss_fn, params)
     if has_model_state(model_state):
         check_model_state(model_state)
         stateful = returning_model_state(loss_fn, has_aux)
-        gradients = mixed_precision_grad(stateful, params, scaler, model_state, *args, policy=policy, has_aux=True)
+        gradients = mixed_precision_grad(
+            stateful, differentiated, scaler, model_state, *args, policy=policy, has_aux=True
+        )
         aux, new_model_state = gradients.aux
         new_model_state = settle_model_state(new_model_state, model_state)
         gradients = gradients._replace(aux=aux)
     else:
-        gradients = mixed_precision_grad(loss_fn, params, scaler, *args, policy=policy, has_aux=has_aux)
+        gradients = mixed_precision_grad(loss_fn, differentiated, scaler, *args, policy=policy, has_aux=has_aux)
         new_model_state = model_state
+    gradients, amaxes = split_fp8_gradients(gradients) if fp8 else (gradients, None)
     state.counts.check(gradients.grads_finite.device)  # where the params are (their first accelerator)
     if reduce_grads is not None:
         gradients = reduce_grads(gradients)
@@ -288,9 +299,10 @@ def train_step(
     else:
         new_params, new_opt_state = select_tree(applied, updated, (params, opt_state))
     counts = state.counts.advance(stepped, applied, _stalled(scaler, step_per_loss), bad_scale, bad_update)
+    new_fp8 = advance_fp8(state.fp8, amaxes, applied, stepped) if fp8 else state.fp8
     # Model state moves on a skipped step too, as a module's buffers do under torch.amp.
-    new_state = TrainState(new_params, new_opt_state, new_scaler, counts, accumulator, new_model_state)
-    loss_scale = _loss_scale(scaler, grads_finite.device)
+    new_state = TrainState(new_params, new_opt_state, new_scaler, counts, accumulator, new_model_state, new_fp8)
+    loss_scale = loss_scales(scaler, grads_finite.device)
     if donate:
         # The donated scalers' buffers receive the new scales.
         loss_scale = pytree.tree_map(torch.clone, loss_scale)
@@ -343,65 +355,3 @@ def mixed_precision_step(
         loss_fn, state, *args, policy=policy, optimizer=optimizer, donate=donate, check_update=check_update
     )
     return new_state.params, cast(LossScale, new_state.scaler)
-
-
-class LossScaleStalledError(FloatingPointError):
-    """Raised by `raise_if_stalled`: steps keep overflowing at the minimum loss scale."""
-
-
-def raise_if_stalled(state: TrainState, patience: int) -> None:
-    """Fails fast when training has stalled: the last `patience` optimizer steps were all skipped for good.
-
-    Opt-in, as DeepSpeed's error at `min_loss_scale`: once the scale cannot back off further,
-    skipped steps mean gradients that are non-finite at any scale (NaN or inf in the data, the
-    labels or the model), and a run that goes on skips every step in silence. Steps that ran with
-    a loss scale out of range (`counts.bad_scale`) or whose update was non-finite from finite
-    gradients (`counts.bad_update`) count too, and the message says which. Call this where you
-    log; the step itself never raises on values, which would need a host sync.
-
-    Note: syncs with the host, to read `state.counts.stalled`.
-
-    Args:
-        state: The training state (a vmapped ensemble's stacked state too: any member stalls it).
-        patience: How many consecutive stalled steps are tolerated, >= 1.
-
-    Raises:
-        LossScaleStalledError: If `state.counts.stalled >= patience`, with the scale and the causes
-            in the message.
-        TypeError, ValueError: If `state` is not a TrainState or `patience` is not a positive int.
-    """
-    if not isinstance(state, TrainState):
-        raise TypeError(f"state must be an fmp.TrainState, got {type(state).__name__}")
-    patience = check_int("patience", patience, 1, torch.iinfo(torch.int64).max)
-    stalled = state.counts.stalled
-    worst = int(stalled.max())
-    if worst < patience:
-        return
-    where = f" (ensemble members {stalled.ge(patience).nonzero().flatten().tolist()})" if stalled.dim() else ""
-    scales = pytree.tree_map(lambda t: t.tolist(), _loss_scale(state.scaler, stalled.device))
-    bad_scale, bad_update = int(state.counts.bad_scale.max()), int(state.counts.bad_update.max())
-    causes = []
-    if bad_scale:
-        causes.append(
-            f"{bad_scale} of them ran with a loss scale that was itself out of range (NaN, inf, 0, negative or "
-            f"outside [min_scale, max_scale]), which the step put back in range (now {scales}): the scaler state "
-            f"was corrupted or built with the raw constructor; build it with DynamicLossScale.create(...) "
-            f"(TrainState.create checks it) or load a sound checkpoint"
-        )
-    if bad_update:
-        causes.append(
-            f"{bad_update} of them had finite gradients but a non-finite update (new params or optimizer state): "
-            f"the optimizer state or the params hold inf or NaN (check fmp.all_finite(state.opt_state)), or the "
-            f"update overflows the param dtype; restore a checkpoint, or lower the lr"
-        )
-    if worst > bad_scale + bad_update or not causes:
-        dynamic = any(isinstance(s, DynamicLossScale) for s in per_loss(state.scaler))
-        remedy = "lower min_scale" if dynamic else "use a lower fixed scale or a DynamicLossScale"
-        causes.insert(
-            0,
-            f"their gradients overflowed with the loss scale at its minimum ({scales}), so backing off cannot help. "
-            f"Look for inf or NaN in the inputs, the labels or the model (a log of 0, a division by 0, an exploding "
-            f"activation), or {remedy}. fmp.debug.locate_nonfinite(loss_fn, state.params, *batch, policy=policy, "
-            f"scaler=state.scaler) names the first op and module to make inf or NaN",
-        )
-    raise LossScaleStalledError(f"the last {worst} optimizer steps{where} were all skipped: {'; '.join(causes)}")

@@ -116,9 +116,13 @@ _DEFINED_IN: dict[type, str] = {}
 
 
 def _name_publicly(cls: type) -> None:
-    """Sets `cls.__module__` to its public namespace, which exports it (see `resolve_annotations`)."""
+    """Sets `cls.__module__` to its public namespace, which exports it (see `resolve_annotations`).
+
+    A class of the core that a subpackage exports (the core's step threads it, the subpackage
+    documents it) names that namespace in a `PUBLIC_NAMESPACE` class attribute.
+    """
     _DEFINED_IN[cls] = cls.__module__
-    cls.__module__ = _public_module(cls.__module__)
+    cls.__module__ = cls.__dict__.get("PUBLIC_NAMESPACE") or _public_module(cls.__module__)
 
 
 def resolve_annotations() -> None:

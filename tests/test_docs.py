@@ -31,10 +31,11 @@ PAGES = {
     "fmp.interop": "interop.md",
     "fmp.serialization": "serialization.md",
     "fmp.distributed": "distributed.md",
+    "fmp.fp8": "fp8.md",
 }
 # Module-level values (constants, type aliases) carry no `__doc__` of their own: their documentation
 # is the attribute docstring next to the assignment, which mkdocstrings renders.
-VALUES = (str, int, float, types.MappingProxyType, types.UnionType, types.GenericAlias)
+VALUES = (str, int, float, tuple, torch.dtype, types.MappingProxyType, types.UnionType, types.GenericAlias)
 
 
 def directives(page: str) -> set[str]:

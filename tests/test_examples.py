@@ -81,3 +81,14 @@ def test_transformer_lm_trains_bfloat16_params_and_runs_without_matplotlib(tmp_p
     first, last = map(float, re.findall(r"first step (\S+) .* last applied steps (\S+)", stdout)[0])
     assert last < first
     assert "matplotlib is not installed: no plot saved to" in stdout and not (tmp_path / "lm.png").exists()
+
+
+def test_fp8_lm_trains_within_a_stated_margin_of_bfloat16_and_plots_both(tmp_path: Path) -> None:
+    plot = tmp_path / "fp8.png"
+    result = run_example("fp8_lm.py", ["--steps", "40", "--plot", str(plot)])
+    losses = re.search(r"bfloat16 (\S+), fp8 delayed (\S+)$", result.stdout, re.MULTILINE)
+    assert losses is not None
+    bf16, fp8 = float(losses[1]), float(losses[2])
+    assert fp8 < 2.0  # it learned the sequences: log(64) = 4.16 at the start
+    assert abs(fp8 - bf16) <= 0.02 * bf16
+    assert plot.exists() or "matplotlib is not installed" in result.stdout

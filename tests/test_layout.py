@@ -15,7 +15,7 @@ import fmp
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PUBLIC_PACKAGES = ["fmp", *(f"fmp.{name}" for name in ("autocast", "debug", "interop", "nn", "optim", "remat"))]
-PUBLIC_PACKAGES += ["fmp.serialization", "fmp.distributed", "fmp.optim.schedule"]
+PUBLIC_PACKAGES += ["fmp.serialization", "fmp.distributed", "fmp.optim.schedule", "fmp.fp8"]
 
 
 def contracts() -> list[dict[str, object]]:

@@ -28,6 +28,7 @@ import warnings
 from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 from typing import ParamSpec
@@ -44,7 +45,7 @@ from fmp._policy import Policy
 from fmp._tree import cast_floating
 from fmp.autocast._transform import AutocastMode
 
-__all__ = ["PolicyKey", "module_policies"]
+__all__ = ["PolicyKey", "module_policies", "patched_forwards", "patched_modules"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -183,6 +184,46 @@ def patched_again(modules: tuple[nn.Module, ...]) -> Iterator[None]:
         del AMBIENT.patched_modules[len(AMBIENT.patched_modules) - len(modules) :]
 
 
+@contextlib.contextmanager
+def patched_forwards(forwards: Sequence[tuple[str, nn.Module, Callable[..., Any]]], by: str) -> Iterator[None]:
+    """Runs the body with each module's `forward` replaced, put back after (on errors too).
+
+    The replacement is an instance attribute, set and removed through `__dict__` (Dynamo replays
+    setattr/delattr on a module as a bare delattr, which fails); a `forward` another library
+    patched onto the instance is put back after. The modules count as patched on this thread
+    (`patched_modules`) for `fmp.remat`'s recompute.
+
+    Args:
+        forwards: (name, module, new forward) triples; the name is for the error below.
+        by: What patches them ("module_policies"), for the error below.
+
+    Raises:
+        RuntimeError: If a module is already patched by a call running now (nested calls over one module).
+    """
+    saved: list[tuple[dict[str, Any], Any]] = []
+    try:
+        for name, module, forward in forwards:
+            attrs = module.__dict__
+            if _ACTIVE in attrs:
+                raise RuntimeError(
+                    f"module {name or '<model>'!r} is already under {by} or another call that replaces "
+                    f"forwards (module_policies, fmp.fp8.fp8_modules) over one module; merge the mappings into one call"
+                )
+            saved.append((attrs, attrs.get(_FORWARD)))
+            attrs[_ACTIVE] = True
+            attrs[_FORWARD] = forward
+            AMBIENT.patched_modules.append(module)
+        yield
+    finally:
+        for attrs, previous in reversed(saved):
+            AMBIENT.patched_modules.pop()
+            del attrs[_ACTIVE]
+            if previous is None:
+                del attrs[_FORWARD]
+            else:
+                attrs[_FORWARD] = previous
+
+
 def _warn_not_run(matches: tuple[_Match, ...], ran: set[str], warned: set[str]) -> None:
     for match in matches:
         if match.name not in ran and match.name not in warned:
@@ -253,30 +294,9 @@ def module_policies(fn: Callable[P, R], model: nn.Module, policies: Mapping[Any,
     @functools.wraps(fn)
     def module_policies_fn(*args: P.args, **kwargs: P.kwargs) -> R:
         ran: set[str] = set()  # the matches whose forward ran in this call
-        # Through __dict__: Dynamo replays setattr/delattr on a module as a bare delattr, which fails.
-        saved: list[tuple[dict[str, Any], Any]] = []
-        try:
-            for match in matches:
-                attrs = match.module.__dict__
-                if _ACTIVE in attrs:
-                    raise RuntimeError(
-                        f"module {match.name or '<model>'!r} is already under module_policies (nested calls "
-                        f"over one module); merge the mappings into one call"
-                    )
-                # A forward patched on the instance (by another library) is wrapped and put back after.
-                saved.append((attrs, attrs.get(_FORWARD)))
-                attrs[_ACTIVE] = True
-                attrs[_FORWARD] = _policy_forward(match, match.module.forward, ran)
-                AMBIENT.patched_modules.append(match.module)
+        forwards = [(m.name, m.module, _policy_forward(m, m.module.forward, ran)) for m in matches]
+        with patched_forwards(forwards, "module_policies"):
             out = fn(*args, **kwargs)
-        finally:
-            for attrs, previous in reversed(saved):
-                AMBIENT.patched_modules.pop()
-                del attrs[_ACTIVE]
-                if previous is None:
-                    del attrs[_FORWARD]
-                else:
-                    attrs[_FORWARD] = previous
         # Dynamo cannot trace warnings.warn, so only eager calls check; the graph is the same either way.
         if not torch.compiler.is_compiling():
             _warn_not_run(matches, ran, warned)

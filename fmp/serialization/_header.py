@@ -10,6 +10,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fmp._struct import current_name
+from fmp._struct import state_classes
 
 __all__ = [
     "FORMAT",
@@ -73,6 +74,27 @@ def spec_text(spec: pytree.TreeSpec) -> str:
         return repr(spec)
 
 
+# The spec of an empty tuple, the default of the fields TrainState gained (`model_state`, `fp8`).
+_EMPTY_TUPLE = {"type": "builtins.tuple", "context": "null", "children_spec": []}
+
+
+def _padded(node: dict[str, Any]) -> dict[str, Any]:
+    """A namedtuple node of fewer children than its class has fields, padded where the rest default to `()`.
+
+    An earlier fmp wrote a TrainState before it gained trailing fields that default to `()`; the
+    pickle loads with them, so the treespec it wrote counts as having them too.
+    """
+    cls = {f"{c.__module__}.{c.__qualname__}": c for c in state_classes()}.get(node["context"])
+    fields = getattr(cls, "_fields", ())
+    children = node.get("children_spec")
+    if not isinstance(children, list) or len(children) >= len(fields):
+        return node
+    missing = fields[len(children) :]
+    if any(getattr(cls, "_field_defaults", {}).get(name, None) != () for name in missing):
+        return node
+    return {**node, "children_spec": children + [_EMPTY_TUPLE] * len(missing)}
+
+
 def _rename(node: Any) -> Any:
     if isinstance(node, list):
         return [_rename(child) for child in node]
@@ -83,6 +105,7 @@ def _rename(node: Any) -> Any:
         node["type"] = current_name(node["type"])
     if node.get("type") == "collections.namedtuple" and isinstance(node.get("context"), str):
         node["context"] = current_name(node["context"])
+        node = _padded(node)
     return node
 
 
@@ -90,7 +113,8 @@ def current_treespec(text: Any) -> Any:
     """A treespec as `spec_text` wrote it, with the class names earlier fmp versions wrote made current.
 
     Names in `fmp._struct.LEGACY_NAMES` (such as `fmp._state.TrainState`) become today's
-    (`fmp.TrainState`); text that is not a JSON treespec comes back as it is.
+    (`fmp.TrainState`), and a TrainState written before it gained a field that defaults to `()`
+    has it; text that is not a JSON treespec comes back as it is.
     """
     if not isinstance(text, str):
         return text

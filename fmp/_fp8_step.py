@@ -1,0 +1,115 @@
+"""How `train_step` threads FP8 delayed-scaling states: differentiated beside the params, updated after.
+
+With `TrainState.fp8` holding a `DelayedScalingState` per FP8 linear layer, the step hands the
+loss function (made by `fmp.fp8.fp8_modules` with a delayed recipe) an `Fp8Scales` and
+differentiates with respect to the params and the scales together: the scales' gradients are the
+step's amaxes (the layers' `fp8_linear` returns them so), which the step's unscale brings to the
+unscaled gradient's and its finite check covers. The optimizer sees the params' gradients alone;
+each state records its amaxes (`DelayedScalingState.update`), and a skipped step keeps the states
+as they were, as it keeps the params. With gradient accumulation each micro-batch records its
+amaxes and the window's step advances the states once, over their maximum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import fmp._pytree as pytree
+from fmp._delayed_scaling import Fp8Scales
+from fmp._delayed_scaling import is_delayed_state
+from fmp._grad import Gradients
+from fmp._loss_scale import NoOpLossScale
+from fmp._policy import Policy
+from fmp._tree import select_tree
+
+__all__ = [
+    "TAKES_FP8_SCALES",
+    "advance_fp8",
+    "check_fp8_step",
+    "has_fp8_states",
+    "split_fp8_gradients",
+    "with_fp8_scales",
+]
+
+TAKES_FP8_SCALES = "_fmp_takes_fp8_scales"
+"""The attribute `fmp.fp8.fp8_modules` sets on a loss function that takes `Fp8Scales` after the params."""
+
+
+def has_fp8_states(fp8: Any) -> bool:
+    """Whether `TrainState.fp8` holds any state (`()`, the default, holds none)."""
+    return bool(pytree.tree_leaves(fp8))
+
+
+def check_fp8_step(
+    loss_fn: Callable[..., Any], has_states: bool, scaler: Any, reduce_grads: Any, policy: Policy
+) -> None:
+    """Raises where the loss function and `TrainState.fp8` disagree, or the step cannot thread the states yet."""
+    takes_scales = bool(getattr(loss_fn, TAKES_FP8_SCALES, False))
+    if not has_states:
+        if takes_scales:
+            raise TypeError(
+                "loss_fn runs layers with delayed FP8 scaling but state.fp8 holds no state for them: create the "
+                "state with fmp.TrainState.create(..., fp8=fmp.fp8.init_states(model, recipes))"
+            )
+        return
+    if not takes_scales:
+        raise TypeError(
+            "state.fp8 holds delayed-scaling states but loss_fn does not take them: transform it with "
+            "fmp.fp8.fp8_modules(loss_fn, model, recipes), the recipes state.fp8 was made from"
+        )
+    unsupported = [
+        (isinstance(scaler, tuple), "several losses"),
+        (reduce_grads is not None, "reduce_grads (data parallel)"),
+        (policy.param_dtype != torch.float32, f"{policy.param_dtype} params (the scales are float32)"),
+    ]
+    for refused, what in unsupported:
+        if refused:
+            raise ValueError(f"train_step does not yet thread delayed FP8 states (state.fp8) with {what}")
+
+
+def with_fp8_scales(loss_fn: Callable[..., Any], params: Any, fp8: Any, scaler: Any) -> tuple[Callable[..., Any], Any]:
+    """`loss_fn` over `(params, scales)`, handing it `Fp8Scales` after the params; and that pair.
+
+    Args:
+        loss_fn: Takes `(params, Fp8Scales, *rest)`.
+        params: The params.
+        fp8: `TrainState.fp8`.
+        scaler: The step's one loss scale.
+
+    Returns:
+        `(fn, (params, scales))`: `fn((params, scales), *rest)` calls `loss_fn`.
+    """
+    scales = pytree.tree_map(lambda s: s.scale, fp8, is_leaf=is_delayed_state)
+    device = pytree.tree_leaves(scales)[0].device
+    loss_scale = torch.ones((), device=device) if isinstance(scaler, NoOpLossScale) else scaler.loss_scale
+
+    def with_scales(params_and_scales: tuple[Any, Any], *rest: Any) -> Any:
+        params, scales = params_and_scales
+        return loss_fn(params, Fp8Scales(scales, loss_scale), *rest)
+
+    return with_scales, (params, scales)
+
+
+def split_fp8_gradients(gradients: Gradients) -> tuple[Gradients, Any]:
+    """The params' gradients apart from the scales' (the amaxes), from a step over `(params, scales)`."""
+    grads, amaxes = gradients.grads
+    return gradients._replace(grads=grads), amaxes
+
+
+def advance_fp8(fp8: Any, amaxes: Any, applied: torch.Tensor, stepped: torch.Tensor | None) -> Any:
+    """Each state with its amaxes recorded, advanced where the step applied, kept where it skipped.
+
+    With accumulation (`stepped` not None) a call that ends no window only records (row 0 keeps
+    the window's maximum so far), and a skipped window clears row 0 again: the state it started from.
+    """
+    states, spec = pytree.tree_flatten(fp8, is_leaf=is_delayed_state)
+    recorded = [state.record(amax) for state, amax in zip(states, pytree.tree_leaves(amaxes), strict=True)]
+    advanced = pytree.tree_unflatten([state.advance() for state in recorded], spec)
+    if stepped is None:
+        return select_tree(applied, advanced, fp8)
+    started = pytree.tree_unflatten([state.cleared() for state in recorded], spec)
+    ended = select_tree(applied, advanced, started)
+    return select_tree(stepped, ended, pytree.tree_unflatten(recorded, spec))

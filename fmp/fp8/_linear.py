@@ -1,0 +1,225 @@
+"""`fp8_linear`: `x @ weight.T + bias` with both matmuls of the backward pass in FP8 too, per a recipe.
+
+Forward, the input and the weight are quantized along the dim they are contracted over and
+multiplied; backward, the output gradient is quantized (E5M2 under "hybrid") and multiplied with
+the weight for the input's gradient and with the input for the weight's. Each operand is
+quantized in the orientation its matmul contracts it, as a rowwise or block scale must be, so the
+backward re-quantizes the saved high-precision input and weight.
+
+A matmul runs as `torch._scaled_mm` where torch has a kernel for it (per-tensor, delayed and rowwise
+scales: emulated on a CPU, FP8 tensor cores on an H100) and otherwise on the dequantized operands
+in float32, which gives the same result: `_scaled_mm` multiplies by the scales' reciprocals as
+`Quantized.dequantize` does and accumulates in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+from fmp._delayed_scaling import ROLES
+from fmp._delayed_scaling import DelayedScaling
+from fmp._fp8_formats import amax
+from fmp._fp8_formats import quantize
+from fmp.autocast import no_autocast
+from fmp.fp8._blocks import Quantized
+from fmp.fp8._recipes import Fp8Recipe
+
+__all__ = ["fp8_linear", "fp8_matmul"]
+
+Recipe = Fp8Recipe | DelayedScaling
+Scales = tuple[torch.Tensor, torch.Tensor] | None  # a delayed recipe's (scales, loss scale)
+_NATIVE = ("tensorwise", "rowwise", "delayed")  # the scale layouts torch._scaled_mm takes
+
+
+def _name(recipe: Recipe) -> str:
+    return "delayed" if isinstance(recipe, DelayedScaling) else recipe.name
+
+
+def _quantize(recipe: Recipe, x: torch.Tensor, role: str, contract_dim: int, scales: Scales) -> Quantized:
+    if isinstance(recipe, DelayedScaling):
+        assert scales is not None  # fp8_linear requires them with a delayed recipe
+        state_scales, loss_scale = scales
+        scale = state_scales[ROLES.index(role)]
+        if role == "grad_output":  # the gradient arrives multiplied by the loss scale
+            scale = scale / loss_scale
+        return Quantized(quantize(x, scale, recipe.dtype(role)), scale.reshape(1, 1))
+    return recipe.quantize(x, role, contract_dim)
+
+
+def fp8_matmul(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, native: bool) -> torch.Tensor:
+    """`a @ b` of two quantized matrices (a contracted along dim 1, b along dim 0), accumulated in float32.
+
+    Args:
+        a: (M, K), with one scale per row or per tensor where `native`.
+        b: (K, N), with one scale per column or per tensor where `native`.
+        out_dtype: The result's dtype.
+        native: Whether to call `torch._scaled_mm` (only for per-tensor and per-row/column scales).
+
+    Returns:
+        (M, N) in `out_dtype`.
+    """
+    if not native:
+        return (a.dequantize() @ b.dequantize()).to(out_dtype)
+    scale_a, scale_b = a.scale.reciprocal(), b.scale.reciprocal()
+    if scale_a.numel() == 1 and scale_b.numel() == 1:
+        scale_a, scale_b = scale_a.reshape(()), scale_b.reshape(())
+    column_major = b.data.t().contiguous().t()
+    return torch._scaled_mm(a.data, column_major, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
+def _runs_native(recipe: Recipe, a: Quantized, b: Quantized, out_dtype: torch.dtype) -> bool:
+    """Whether torch._scaled_mm takes this matmul: its scale layouts and dims of 16, no transform around.
+
+    Compiled, Dynamo cannot ask whether a torch.func transform is running, so the native kernel is
+    taken on CUDA only (where it is fast) and a CPU, which only emulates it, multiplies the
+    dequantized operands, which Inductor fuses. CUDA's kernel also wants a bfloat16 output for
+    rowwise scales and refuses two E5M2 operands.
+    """
+    if _name(recipe) not in _NATIVE or not all(d % 16 == 0 for t in (a.data, b.data) for d in t.shape):
+        return False
+    devices = {a.data.device.type, b.data.device.type}
+    if devices not in ({"cpu"}, {"cuda"}):
+        return False
+    if devices == {"cuda"} and (
+        a.data.dtype == b.data.dtype == torch.float8_e5m2
+        or (_name(recipe) == "rowwise" and out_dtype != torch.bfloat16)
+    ):
+        return False
+    if torch.compiler.is_compiling():
+        return devices == {"cuda"}
+    return not retrieve_all_functorch_interpreters()
+
+
+def _matmul(
+    recipe: Recipe, a: tuple[torch.Tensor, str], b: tuple[torch.Tensor, str], out_dtype: torch.dtype, scales: Scales
+) -> torch.Tensor:
+    """Quantizes `a` (contracted along dim 1) and `b` (along dim 0) per the recipe and multiplies them."""
+    (x, x_role), (y, y_role) = a, b
+    qa = _quantize(recipe, x, x_role, 1, scales)
+    qb = _quantize(recipe, y, y_role, 0, scales)
+    return fp8_matmul(qa, qb, out_dtype, native=_runs_native(recipe, qa, qb, out_dtype))
+
+
+class _Fp8Linear(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        scales: torch.Tensor | None,
+        loss_scale: torch.Tensor | None,
+        recipe: Recipe,
+    ) -> torch.Tensor:
+        pair = None if scales is None or loss_scale is None else (scales, loss_scale)
+        return _matmul(recipe, (x, "input"), (weight.t(), "weight"), x.dtype, pair)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        x, weight, scales, loss_scale, recipe = inputs
+        ctx.save_for_backward(x, weight, scales, loss_scale)
+        ctx.recipe = recipe
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        # Autograd runs a backward with the autocast state of the thread that calls it; the
+        # matmuls here must see their float32 operands as they are, as in the forward.
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return _backward(ctx, grad_output)
+
+
+def _backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+    """`_Fp8Linear`'s backward: the gradients of the input, weight and (delayed scaling) scales."""
+    x, weight, scales, loss_scale = ctx.saved_tensors
+    recipe = ctx.recipe
+    pair = None if scales is None or loss_scale is None else (scales, loss_scale)
+    grad_x = _matmul(recipe, (grad_output, "grad_output"), (weight, "weight"), x.dtype, pair)
+    if getattr(recipe, "high_precision_weight_grad", False):
+        grad_w = (grad_output.t() @ x.to(grad_output.dtype)).to(weight.dtype)
+    else:
+        grad_w = _matmul(recipe, (grad_output.t(), "grad_output"), (x, "input"), weight.dtype, pair)
+    # Delayed scaling: the scales' "gradient" is this step's amaxes (input, weight, output
+    # gradient), which DelayedScalingState.update records: the state comes back out of the
+    # backward pass as a value, as flax's FP8 meta does, with no buffer written. The input's and
+    # the weight's are multiplied by the loss scale, which the step's unscale divides every
+    # gradient by; the output gradient's is of the scaled gradient already.
+    grad_scales = None
+    if scales is not None:
+        amaxes = torch.stack([amax(x) * loss_scale, amax(weight) * loss_scale, amax(grad_output)])
+        grad_scales = amaxes.to(scales.dtype)
+    return grad_x, grad_w, grad_scales, None, None
+
+
+def _apply(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor | None,
+    loss_scale: torch.Tensor | None,
+    recipe: Recipe,
+) -> torch.Tensor:
+    # A function of its own, not the bound `apply`, which Dynamo cannot call through a wrapper.
+    return _Fp8Linear.apply(x, weight, scales, loss_scale, recipe)  # type: ignore[no-any-return,no-untyped-call]
+
+
+# Autocast off inside (fmp's and torch's): the operands' casts are the recipe's.
+_apply_without_autocast = no_autocast(_apply)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    recipe: Recipe,
+    scales: torch.Tensor | None = None,
+    loss_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`torch.nn.functional.linear` with its forward and both backward matmuls in FP8, per `recipe`.
+
+    Differentiable by autograd and `torch.func` (grad, vmap), and traced whole by
+    `torch.compile(fullgraph=True)`. The output and the input's gradient take `x`'s dtype (the
+    compute dtype under autocast), the weight's gradient the weight's; the bias is added in `x`'s
+    dtype outside FP8.
+
+    Args:
+        x: (..., in_features).
+        weight: (out_features, in_features).
+        bias: (out_features,) or None.
+        recipe: `tensorwise()`, `rowwise()`, `mxfp8()`, `blockwise()` or `delayed()`.
+        scales: With a delayed recipe, this linear's `DelayedScalingState.scale`; its gradient is
+            then this step's amaxes of the input, weight and output gradient, for
+            `state.update(amaxes)`. None with the other recipes.
+        loss_scale: With a delayed recipe, the loss scale the output gradient arrives
+            multiplied by (0-dim float32; None: 1): the gradient's cast divides its scale by it,
+            and the amaxes come out multiplied by it, as gradients of the scaled loss, so that
+            unscaling them gives them unscaled. `fmp.train_step` passes the step's.
+
+    Returns:
+        (..., out_features) in `x`'s dtype.
+
+    Raises:
+        TypeError: If `recipe` is not an FP8 recipe, or `scales` is missing for a delayed one
+            (or given to another).
+        ValueError: If a dim is not a multiple of the recipe's block.
+    """
+    if not isinstance(recipe, Fp8Recipe | DelayedScaling):
+        raise TypeError(f"recipe must be an fmp.fp8 recipe (fmp.fp8.tensorwise(), ...), got {type(recipe).__name__}")
+    if isinstance(recipe, DelayedScaling) != (scales is not None):
+        raise TypeError(
+            "scales go with a delayed recipe and only with it: pass state.scale of the linear's DelayedScalingState"
+        )
+    if scales is not None and loss_scale is None:
+        loss_scale = torch.ones((), dtype=torch.float32, device=scales.device)
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"fp8_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
+    flat = x.reshape(-1, x.shape[-1])
+    if torch.compiler.is_compiling():
+        # Views, so that Dynamo calls the Function's backward even where every argument is a
+        # torch.func.grad input as it is (see fmp._backward._viewing_params).
+        weight = weight.view_as(weight)
+        scales = None if scales is None else scales.view_as(scales)
+    out = _apply_without_autocast(flat, weight, scales, loss_scale, recipe).reshape(*x.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias.to(out.dtype)

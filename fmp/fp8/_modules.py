@@ -1,0 +1,205 @@
+"""`fp8_modules`: chosen `nn.Linear` layers of a model run in FP8, as a function transform.
+
+As `fmp.autocast.module_policies` gives chosen submodules a policy of their own, `fp8_modules(fn,
+model, {nn.Linear: fmp.fp8.tensorwise()})` returns `fn` run with each matched linear layer's
+forward replaced by `fp8_linear` over the parameters in place when it runs (those
+`functional_call` or `fmp.nn.call` swapped in), for the duration of the call only. The model is not
+changed: its parameters, their names and its state dict stay what they were, so a checkpoint
+trained in FP8 loads into the same model without it, and the rest of the model follows the
+step's policy.
+
+Layers on a delayed recipe read their scales from the `Fp8Scales` that `fmp.train_step` hands the
+transformed function after the params, from the states of `TrainState.fp8`
+(`init_states(model, recipes)`), keyed by the layers' names.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from fmp._checks import check_callable
+from fmp._delayed_scaling import DelayedScaling
+from fmp._delayed_scaling import DelayedScalingState
+from fmp._delayed_scaling import Fp8Scales
+from fmp._fp8_step import TAKES_FP8_SCALES
+from fmp.autocast._module_policy import patched_forwards
+from fmp.fp8._linear import Recipe
+from fmp.fp8._linear import fp8_linear
+from fmp.fp8._recipes import Fp8Recipe
+
+__all__ = ["fp8_modules", "init_states"]
+
+R = TypeVar("R")
+Plan = list[tuple[str, nn.Linear, Recipe]]
+
+
+def _recipe_for(names: list[str], module: nn.Module, recipes: Mapping[Any, Recipe]) -> Recipe | None:
+    for key, recipe in recipes.items():
+        if isinstance(key, str) and any(fnmatch.fnmatchcase(name, key) for name in names):
+            return recipe
+        if isinstance(key, type) and isinstance(module, key):
+            return recipe
+    return None
+
+
+def _check(model: Any, recipes: Any, caller: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{caller} needs an nn.Module, got {type(model).__name__}")
+    if not isinstance(recipes, Mapping) or not recipes:
+        raise TypeError(
+            f"recipes must be a non-empty mapping of module class or name pattern to recipe, got {recipes!r}"
+        )
+    names = [name for name, _ in model.named_modules(remove_duplicate=False)]
+    for key, recipe in recipes.items():
+        if not isinstance(recipe, Fp8Recipe | DelayedScaling):
+            raise TypeError(
+                f"the recipe for {key!r} must be an fmp.fp8 recipe (tensorwise(), rowwise(), mxfp8(), blockwise() "
+                f"or delayed()), got {type(recipe).__name__}"
+            )
+        if isinstance(key, str):
+            if not any(fnmatch.fnmatchcase(name, key) for name in names):
+                raise ValueError(f"module name pattern {key!r} matches no module of the model")
+        elif not (isinstance(key, type) and issubclass(key, nn.Module)):
+            raise TypeError(f"recipe key {key!r} is neither an nn.Module subclass nor a name pattern (str)")
+
+
+def _plan(model: nn.Module, recipes: Mapping[Any, Recipe], caller: str) -> Plan:
+    """The matched layers, each under the first of its names, with its recipe; validated."""
+    _check(model, recipes, caller)
+    aliases: dict[int, tuple[nn.Module, list[str]]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        aliases.setdefault(id(module), (module, []))[1].append(name)
+    plan: Plan = []
+    for module, names in aliases.values():
+        recipe = _recipe_for(names, module, recipes)
+        if recipe is None:
+            continue
+        if type(module) is not nn.Linear:
+            raise TypeError(
+                f"{caller} matched {names[0]!r}, a {type(module).__name__}: only nn.Linear layers run in FP8 "
+                f"(match them by class, nn.Linear, or by a name pattern that names linear layers only)"
+            )
+        plan.append((names[0], module, recipe))
+    if not plan:
+        raise ValueError(f"{caller}: the keys match no nn.Linear of the model")
+    return plan
+
+
+def init_states(
+    model: nn.Module, recipes: Mapping[Any, Recipe], device: torch.device | str | None = None
+) -> dict[str, DelayedScalingState]:
+    """The delayed-scaling states of the layers `fp8_modules(fn, model, recipes)` runs on a delayed recipe.
+
+    Pass them to `fmp.TrainState.create(..., fp8=...)`; `fmp.train_step` threads them.
+
+    Args:
+        model: The model, as given to `fp8_modules`.
+        recipes: The same mapping.
+        device: Where the states live (`TrainState.create` moves them to the params' device).
+
+    Returns:
+        Layer name -> a fresh `DelayedScalingState` (an empty dict when no layer is on a delayed recipe).
+
+    Raises:
+        TypeError, ValueError: As `fp8_modules`.
+    """
+    plan = _plan(model, recipes, "init_states")
+    return {name: recipe.init(device) for name, _, recipe in plan if isinstance(recipe, DelayedScaling)}
+
+
+def _fp8_forward(
+    name: str, module: nn.Linear, recipe: Recipe, scales: Fp8Scales | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def fp8_forward(x: torch.Tensor) -> torch.Tensor:
+        # The parameters in place now: those functional_call swapped in, or the module's own.
+        if scales is None:
+            return fp8_linear(x, module.weight, module.bias, recipe=recipe)
+        layer_scales = scales.scales[name]
+        return fp8_linear(
+            x, module.weight, module.bias, recipe=recipe, scales=layer_scales, loss_scale=scales.loss_scale
+        )
+
+    return fp8_forward
+
+
+def _check_scales(scales: Any, plan: Plan) -> Fp8Scales:
+    missing = [name for name, _, recipe in plan if isinstance(recipe, DelayedScaling)]
+    if not isinstance(scales, Fp8Scales):
+        raise TypeError(
+            f"this function runs layers on a delayed FP8 recipe, so it takes fmp.fp8.Fp8Scales after the params, "
+            f"as fmp.train_step passes them from state.fp8; got {type(scales).__name__}"
+        )
+    missing = [name for name in missing if not isinstance(scales.scales, dict) or name not in scales.scales]
+    if missing:
+        raise KeyError(
+            f"state.fp8 holds no state for the delayed-scaling layers {missing}: make it with "
+            f"fmp.fp8.init_states(model, recipes), the recipes given to fp8_modules"
+        )
+    return scales
+
+
+def fp8_modules(fn: Callable[..., R], model: nn.Module, recipes: Mapping[Any, Recipe]) -> Callable[..., R]:
+    """Returns `fn` run with chosen `nn.Linear` layers of `model` computing in FP8 per a recipe.
+
+    Keys are module classes (matched with isinstance: `nn.Linear`) or fnmatch patterns over
+    `model.named_modules()` names ("blocks.*.mlp.*"); a layer matched by several keys takes the
+    first. Matched layers must be `nn.Linear`. Their forward runs `fp8_linear(x, weight, bias,
+    recipe=...)` (forward and both backward matmuls in FP8) on the parameters in place when it
+    runs, so gradients reach the step's params as usual; outputs take the input's dtype (the compute
+    dtype under the step's policy). Nothing outlives the call. Works under `torch.func.grad`,
+    `vmap`, `fmp.train_step` and `torch.compile(fullgraph=True)`.
+
+    With a delayed recipe (`delayed()`) among them, the returned function takes an `Fp8Scales`
+    after the params, `fn'(params, fp8_scales, *rest)` calling `fn(params, *rest)`: give the
+    state `fp8=init_states(model, recipes)` and `fmp.train_step` passes the scales and updates the
+    states (see the [FP8 how-to](../how-to/fp8.md)).
+
+    Example, every linear layer of a model in FP8 with per-tensor scales, the rest in bfloat16::
+
+        loss = fmp.fp8.fp8_modules(loss_fn, model, {nn.Linear: fmp.fp8.tensorwise()})
+        state, info = fmp.train_step(loss, state, batch, policy=policy, optimizer=optimizer)
+
+    Args:
+        fn: The function to transform; it calls `model` (usually through `fmp.nn.call`).
+        model: The module whose submodules the keys match.
+        recipes: Module class or name pattern -> an `fmp.fp8` recipe.
+
+    Returns:
+        A function with `fn`'s signature, or with `Fp8Scales` after the params for delayed recipes.
+
+    Raises:
+        TypeError: For a model that is not an nn.Module, a value that is not an fmp.fp8 recipe, a
+            key that is neither an nn.Module subclass nor a string, or a matched module that is
+            not an `nn.Linear`.
+        ValueError: For a name pattern that matches no module, or keys that match no linear layer.
+    """
+    check_callable("fp8_modules' fn", fn)
+    plan = _plan(model, recipes, "fp8_modules")
+
+    def run(scales: Fp8Scales | None, *args: Any, **kwargs: Any) -> R:
+        forwards = [(name, module, _fp8_forward(name, module, recipe, scales)) for name, module, recipe in plan]
+        with patched_forwards(forwards, "fp8_modules"):
+            return fn(*args, **kwargs)
+
+    if not any(isinstance(recipe, DelayedScaling) for _, _, recipe in plan):
+
+        @functools.wraps(fn)
+        def fp8_modules_fn(*args: Any, **kwargs: Any) -> R:
+            return run(None, *args, **kwargs)
+
+        return fp8_modules_fn
+
+    @functools.wraps(fn)
+    def delayed_fp8_modules_fn(params: Any, scales: Fp8Scales, *args: Any, **kwargs: Any) -> R:
+        return run(_check_scales(scales, plan), params, *args, **kwargs)
+
+    setattr(delayed_fp8_modules_fn, TAKES_FP8_SCALES, True)
+    return delayed_fp8_modules_fn

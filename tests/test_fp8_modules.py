@@ -1,0 +1,130 @@
+"""fmp.fp8.fp8_modules: chosen linear layers of real models in FP8 inside fmp.train_step, against the bfloat16 run."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+import zoo
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import fmp
+import fmp.fp8 as f8
+
+BF16 = fmp.get_policy("params=float32,compute=bfloat16,output=float32")
+STEPS = 20
+# The FP8 run's last loss within this fraction of the bfloat16 run's, from the same weights and batches.
+MARGIN = 0.02
+
+
+def train(model: nn.Module, batches: list[tuple[torch.Tensor, ...]], recipe: f8.Fp8Recipe | None) -> list[float]:
+    params, buffers = fmp.nn.split(model)
+
+    def loss_fn(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], *batch: torch.Tensor) -> Any:
+        return fmp.nn.call(model, params, buffers, *batch)  # zoo models return their loss
+
+    if recipe is not None:
+        loss_fn = f8.fp8_modules(loss_fn, model, {nn.Linear: recipe})
+    optimizer = fmp.optim.adamw(3e-3)
+    state = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create(), model_state=buffers)
+    losses = []
+    for index in range(STEPS):
+        state, info = fmp.train_step(loss_fn, state, *batches[index % len(batches)], policy=BF16, optimizer=optimizer)
+        assert bool(info.applied)
+        losses.append(float(info.loss))
+    return losses
+
+
+@pytest.fixture(scope="module")
+def llama() -> tuple[nn.Module, list[tuple[torch.Tensor, ...]], list[float]]:
+    case = zoo.case("llama")
+    model = case.build(layers=2, width=64)
+    generator = torch.Generator().manual_seed(1)
+    batches = [case.batch(generator, batch_size=8, seq_len=32) for _ in range(4)]
+    return model, batches, train(model, batches, None)
+
+
+@pytest.mark.parametrize("recipe", [f8.tensorwise(), f8.rowwise(), f8.mxfp8(), f8.blockwise(32)], ids=lambda r: r.name)
+def test_llama_trains_in_fp8_within_a_stated_margin_of_bfloat16(llama: Any, recipe: f8.Fp8Recipe) -> None:
+    model, batches, bf16_losses = llama
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    losses = train(model, batches, recipe)
+    assert losses[-1] < losses[0] - 0.3  # it learns
+    assert abs(losses[-1] - bf16_losses[-1]) <= MARGIN * bf16_losses[-1]
+    assert losses != bf16_losses  # the matmuls did run in FP8
+    # The model is left as it was: same parameters, same names, its own forwards.
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def two_layers() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+
+
+def test_a_name_pattern_puts_only_the_layers_it_names_in_fp8() -> None:
+    model, x = two_layers(), torch.randn(16, 32)
+    only_first = f8.fp8_modules(lambda x: model(x), model, {"0": f8.tensorwise()})(x)
+    first = f8.fp8_linear(x, model[0].weight, model[0].bias, recipe=f8.tensorwise())
+    assert torch.equal(only_first, model[2](model[1](first)))
+
+
+def test_the_first_matching_key_wins() -> None:
+    model, x = two_layers(), torch.randn(16, 32)
+    recipes = {"2": f8.rowwise(), nn.Linear: f8.tensorwise()}
+    out = f8.fp8_modules(lambda x: model(x), model, recipes)(x)
+    hidden = model[1](f8.fp8_linear(x, model[0].weight, model[0].bias, recipe=f8.tensorwise()))
+    assert torch.equal(out, f8.fp8_linear(hidden, model[2].weight, model[2].bias, recipe=f8.rowwise()))
+
+
+@pytest.mark.parametrize(
+    ("recipes", "error", "message"),
+    [
+        ({nn.ReLU: f8.tensorwise()}, TypeError, r"matched '1', a ReLU: only nn.Linear"),
+        ({nn.Linear: "tensorwise"}, TypeError, r"must be an fmp.fp8 recipe .* got str"),
+        ({"blocks.*": f8.tensorwise()}, ValueError, "pattern 'blocks.*' matches no module"),
+        ({nn.Conv2d: f8.tensorwise()}, ValueError, "the keys match no nn.Linear"),
+        ({3: f8.tensorwise()}, TypeError, "neither an nn.Module subclass nor a name pattern"),
+        ({}, TypeError, "non-empty mapping"),
+    ],
+)
+def test_fp8_modules_refuses_what_it_cannot_run(recipes: dict[Any, Any], error: type, message: str) -> None:
+    model = two_layers()
+    with pytest.raises(error, match=message):
+        f8.fp8_modules(lambda x: model(x), model, recipes)
+
+
+def test_fp8_modules_and_module_policies_over_one_layer_refuse_to_nest() -> None:
+    model = two_layers()
+    inner = fmp.autocast.module_policies(lambda x: model(x), model, {"0": fmp.get_policy("f32")})
+    with pytest.raises(RuntimeError, match=r"module '0' is already under module_policies or another call"):
+        f8.fp8_modules(inner, model, {"0": f8.tensorwise()})(torch.randn(2, 32))
+
+
+@pytest.mark.compiled
+@pytest.mark.filterwarnings("ignore:<class 'torch.autograd.function.Function'> should not be instantiated")
+def test_a_compiled_train_step_with_fp8_layers_is_one_graph_and_tracks_eager() -> None:
+    model, x, target = two_layers(), torch.randn(32, 32), torch.randn(32, 16)
+    params, _ = fmp.nn.split(model)
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (torch.func.functional_call(model, params, (x,)).float() - target).square().mean()
+
+    optimizer = fmp.optim.adamw(1e-2)
+    step = functools.partial(
+        fmp.train_step, f8.fp8_modules(loss_fn, model, {nn.Linear: f8.tensorwise()}), policy=BF16, optimizer=optimizer
+    )
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    eager_state = compiled_state = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create())
+    for _ in range(3):
+        eager_state, eager_info = step(eager_state, x, target)
+        compiled_state, compiled_info = compiled(compiled_state, x, target)
+    assert counter.frame_count == 1
+    torch.testing.assert_close(compiled_info.loss, eager_info.loss, rtol=0.02, atol=0.0)
+    for name in params:
+        torch.testing.assert_close(compiled_state.params[name], eager_state.params[name], rtol=0.02, atol=2e-3)

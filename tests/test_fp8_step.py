@@ -1,0 +1,199 @@
+"""Delayed FP8 scaling threaded by fmp.train_step: states beside the loss scale, skipped, compiled, vmapped, saved."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import zoo
+from conftest import assert_trees_bitwise_equal
+from conftest import assert_trees_close
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import fmp
+import fmp.fp8 as f8
+
+BF16 = fmp.get_policy("params=float32,compute=bfloat16,output=float32")
+RECIPES = {nn.Linear: f8.delayed(history_len=4)}
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+
+
+def setup(
+    model: nn.Module, scaler: fmp.LossScale, recipes: dict[Any, Any] = RECIPES, accumulation_steps: int = 1
+) -> tuple[Any, fmp.TrainState, Any]:
+    params, _ = fmp.nn.split(model)
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (torch.func.functional_call(model, params, (x,)).float() - y).square().mean()
+
+    optimizer = fmp.optim.adamw(1e-2)
+    fp8 = f8.init_states(model, recipes)
+    state = fmp.TrainState.create(params, optimizer, scaler, accumulation_steps=accumulation_steps, fp8=fp8)
+    step = functools.partial(fmp.train_step, f8.fp8_modules(loss_fn, model, recipes), policy=BF16, optimizer=optimizer)
+    return step, state, loss_fn
+
+
+def batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(16, 32, generator=generator), torch.randn(16, 16, generator=generator)
+
+
+def test_the_step_records_each_layers_amaxes_unscaled_and_moves_its_scales() -> None:
+    model = mlp()
+    step, state, _ = setup(model, fmp.DynamicLossScale.create())
+    x, y = batch()
+    new, info = step(state, x, y)
+    assert bool(info.applied)
+    first = new.fp8["0"]
+    # The step's amaxes sit in the history's last row (the rows roll up once per step).
+    assert first.amax_history[-1, 0] == x.abs().max()
+    assert first.amax_history[-1, 1] == model[0].weight.abs().max()
+    # The output gradient's amax, unscaled: as the same loss differentiated without loss scaling.
+    scales = {name: s.scale for name, s in state.fp8.items()}
+    amaxes = torch.func.grad(
+        lambda s: f8.fp8_modules(setup(model, fmp.NoOpLossScale())[2], model, RECIPES)(
+            state.params, f8.Fp8Scales(s, torch.ones(())), x, y
+        ).float()
+    )(scales)
+    assert torch.equal(first.amax_history[-1], amaxes["0"])
+    assert not first.amax_history[:-1].any()
+    assert torch.equal(first.scale, torch.tensor([448.0, 448.0, 57344.0]) / amaxes["0"])
+
+
+def test_loss_scaling_leaves_a_delayed_fp8_step_bit_for_bit_as_it_is() -> None:
+    # Power-of-two loss scales are exact: the gradient's cast divides its scale by the loss scale.
+    x, y = batch()
+    results = []
+    for scaler in (fmp.NoOpLossScale(), fmp.DynamicLossScale.create(init_scale=2.0**12)):
+        step, state, _ = setup(mlp(), scaler)
+        for _ in range(3):
+            state, _ = step(state, x, y)
+        results.append((state.params, state.fp8))
+    assert_trees_bitwise_equal(results[0], results[1])
+
+
+def test_a_skipped_step_keeps_the_fp8_states_and_params_bit_for_bit() -> None:
+    step, state, _ = setup(mlp(), fmp.DynamicLossScale.create())
+    x, y = batch()
+    state, _ = step(state, x, y)
+    x[3, 5] = float("inf")
+    new, info = step(state, x, y)
+    assert not bool(info.applied)
+    assert_trees_bitwise_equal((new.params, new.opt_state, new.fp8), (state.params, state.opt_state, state.fp8))
+
+
+def test_the_zoo_llama_trains_on_delayed_scaling_as_on_bfloat16() -> None:
+    case = zoo.case("llama")
+    model = case.build(layers=2, width=64)
+    generator = torch.Generator().manual_seed(1)
+    batches = [case.batch(generator, batch_size=8, seq_len=32) for _ in range(4)]
+    params, buffers = fmp.nn.split(model)
+
+    def loss_fn(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], *batch: torch.Tensor) -> Any:
+        return fmp.nn.call(model, params, buffers, *batch)
+
+    losses = {}
+    for name, recipes in (("bf16", None), ("fp8", {nn.Linear: f8.delayed(history_len=16)})):
+        optimizer = fmp.optim.adamw(3e-3)
+        fp8 = f8.init_states(model, recipes) if recipes else ()
+        state = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create(), model_state=buffers, fp8=fp8)
+        loss = f8.fp8_modules(loss_fn, model, recipes) if recipes else loss_fn
+        for index in range(20):
+            state, info = fmp.train_step(loss, state, *batches[index % 4], policy=BF16, optimizer=optimizer)
+        losses[name] = float(info.loss)
+        if recipes:
+            assert len(state.fp8) == 15 and all(s.amax_history.any() for s in state.fp8.values())
+    assert abs(losses["fp8"] - losses["bf16"]) <= 0.02 * losses["bf16"]
+
+
+def test_the_states_save_and_load_with_the_train_state(tmp_path: Path) -> None:
+    step, state, _ = setup(mlp(), fmp.DynamicLossScale.create())
+    state, _ = step(state, *batch())
+    fmp.serialization.save(state, tmp_path / "state.fmp")
+    loaded = fmp.serialization.load(tmp_path / "state.fmp", state)
+    assert isinstance(loaded.fp8["0"], f8.DelayedScalingState) and loaded.fp8["0"].amax_compute == "max"
+    assert_trees_bitwise_equal(loaded, state)
+    torch.save(state, tmp_path / "state.pt")
+    assert_trees_bitwise_equal(torch.load(tmp_path / "state.pt", weights_only=True), state)
+
+
+def test_an_ensemble_of_fp8_states_maps_under_vmap() -> None:
+    model = mlp()
+    step, state, _ = setup(model, fmp.DynamicLossScale.create())
+    members = [state, state._replace(params={k: v * 2 for k, v in state.params.items()})]
+    xs, ys = torch.stack([batch(1)[0], batch(2)[0]]), torch.stack([batch(1)[1], batch(2)[1]])
+    xs[1, 0, 0] = float("inf")  # member 1 alone skips, and keeps its FP8 states
+    mapped, info = torch.func.vmap(step)(fmp.stack_trees(members), xs, ys)
+    assert info.applied.tolist() == [True, False]
+    one, _ = step(members[0], xs[0], ys[0])
+    assert_trees_close(fmp.unstack_tree(mapped, 0).fp8, one.fp8, rtol=1e-6, atol=0.0)
+    assert_trees_bitwise_equal(fmp.unstack_tree(mapped, 1).fp8, members[1].fp8)
+
+
+@pytest.mark.compiled
+@pytest.mark.filterwarnings("ignore:<class 'torch.autograd.function.Function'> should not be instantiated")
+def test_a_compiled_delayed_fp8_step_is_one_graph_as_scales_move_and_tracks_eager() -> None:
+    step, state, _ = setup(mlp(), fmp.DynamicLossScale.create())
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    eager_state = compiled_state = state
+    for seed in range(3):
+        eager_state, _ = step(eager_state, *batch(seed))
+        compiled_state, _ = compiled(compiled_state, *batch(seed))
+    assert counter.frame_count == 1
+    assert not torch.equal(compiled_state.fp8["0"].scale, state.fp8["0"].scale)
+    assert_trees_close(compiled_state.fp8, eager_state.fp8, rtol=0.02, atol=0.0)
+    assert_trees_close(compiled_state.params, eager_state.params, rtol=0.02, atol=2e-3)
+
+
+def test_state_and_loss_function_must_agree_on_fp8() -> None:
+    model = mlp()
+    step, state, loss_fn = setup(model, fmp.DynamicLossScale.create())
+    plain = functools.partial(fmp.train_step, loss_fn, policy=BF16, optimizer=fmp.optim.adamw(1e-2))
+    with pytest.raises(TypeError, match=r"state.fp8 holds delayed-scaling states but loss_fn does not take them"):
+        plain(state, *batch())
+    with pytest.raises(TypeError, match=r"loss_fn runs layers with delayed FP8 scaling but state.fp8 holds no"):
+        step(state._replace(fp8=()), *batch())
+    with pytest.raises(KeyError, match=r"no state for the delayed-scaling layers \['2'\]"):
+        step(state._replace(fp8={"0": state.fp8["0"]}), *batch())
+    with pytest.raises(TypeError, match=r"TrainState.fp8 holds DelayedScalingStates"):
+        fmp.TrainState.create(state.params, fmp.optim.sgd(0.1), fmp.NoOpLossScale(), fp8={"0": torch.ones(3)})
+
+
+def test_with_accumulation_a_window_records_its_largest_amaxes_and_advances_once() -> None:
+    step, state, _ = setup(mlp(), fmp.DynamicLossScale.create(), accumulation_steps=2)
+    (x1, y1), (x2, y2) = batch(1), batch(2)
+    x2 = 3 * x2
+    middle, info = step(state, x1, y1)
+    assert not bool(info.applied)
+    assert torch.equal(middle.fp8["0"].scale, state.fp8["0"].scale)  # scales hold within a window
+    assert middle.fp8["0"].amax_history[0, 0] == x1.abs().max()
+    end, info = step(middle, x2, y2)
+    assert bool(info.applied)
+    assert end.fp8["0"].amax_history[-1, 0] == torch.maximum(x1.abs().max(), x2.abs().max())
+    assert not end.fp8["0"].amax_history[0].any() and not torch.equal(end.fp8["0"].scale, state.fp8["0"].scale)
+    # A window that overflows leaves the states as the window found them.
+    poisoned = x1.clone()
+    poisoned[0, 0] = float("inf")
+    middle, _ = step(end, poisoned, y1)
+    skipped, info = step(middle, x2, y2)
+    assert not bool(info.applied)
+    assert_trees_bitwise_equal(skipped.fp8, end.fp8)
+
+
+def test_what_the_step_does_not_thread_yet_is_refused_by_name() -> None:
+    step, state, _ = setup(mlp(), fmp.DynamicLossScale.create())
+    with pytest.raises(ValueError, match=r"with reduce_grads \(data parallel\)"):
+        step(state, *batch(), reduce_grads=lambda g: g)
+    two = copy.copy(state)._replace(scaler=(state.scaler, state.scaler))
+    with pytest.raises(ValueError, match="with several losses"):
+        step(two, *batch())
