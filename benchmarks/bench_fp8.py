@@ -7,6 +7,10 @@ recipe with `fmp.fp8.fp8_modules` (delayed scaling's states threaded by the step
 ratio to the bfloat16 row, and the loss at the last step (all rows see the same batches, so the
 losses say what the recipe costs in accuracy).
 
+Where torchao is installed, a last row trains the same model with torchao's float8 training (its
+default recipe, per-tensor scales as fmp's tensorwise) in a torch loop with AdamW(fused=True),
+without autocast (see `torchao_contender`).
+
 On a CPU torch only emulates FP8 matmuls (the FP8 operands are multiplied as float32), so FP8
 costs time there; the numerics are those of the hardware. On a GPU with FP8 tensor cores (H100),
 at `--device cuda`'s matmul-bound size, per-tensor and rowwise scales run on `torch._scaled_mm`.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import statistics
 import sys
 import time
@@ -74,6 +79,28 @@ def contender(model: nn.Module, recipe: Any, compiled: bool) -> tuple[Callable[.
     return step, state
 
 
+def torchao_contender(model: nn.Module, compiled: bool) -> tuple[Callable[..., Any], list[Any]]:
+    """torchao's float8 training (its default: dynamic per-tensor scales) on `model`, a torch loop.
+
+    No autocast: on a CPU torchao casts an autocast region's inputs to the GPU's autocast dtype
+    (float16), so its other ops run in float32 here.
+    """
+    from torchao.float8 import convert_to_float8_training
+
+    converted = convert_to_float8_training(model)
+    optimizer = torch.optim.AdamW(converted.parameters(), lr=1e-3, fused=True)
+    forward = torch.compile(converted) if compiled else converted
+
+    def step(batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = forward(*batch)  # the zoo's models return their loss
+        loss.backward()
+        optimizer.step()
+        return loss.detach()  # type: ignore[no-any-return]
+
+    return step, [optimizer.state]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -98,6 +125,8 @@ def main() -> None:
     for label, recipe in recipes.items():
         model = case.build(**build_sizes).to(device).train()
         rows[label] = contender(model, recipe, args.compiled)
+    if importlib.util.find_spec("torchao") is not None:
+        rows["torchao float8"] = torchao_contender(case.build(**build_sizes).to(device).train(), args.compiled)
     times: dict[str, list[float]] = {label: [] for label in rows}
     losses: dict[str, float] = {}
     for step, _ in rows.values():  # warm-up (compiles)

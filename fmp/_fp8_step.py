@@ -29,6 +29,7 @@ __all__ = [
     "TAKES_FP8_SCALES",
     "advance_fp8",
     "check_fp8_step",
+    "check_reduced_amaxes",
     "has_fp8_states",
     "split_fp8_gradients",
     "with_fp8_scales",
@@ -43,9 +44,7 @@ def has_fp8_states(fp8: Any) -> bool:
     return bool(pytree.tree_leaves(fp8))
 
 
-def check_fp8_step(
-    loss_fn: Callable[..., Any], has_states: bool, scaler: Any, reduce_grads: Any, policy: Policy
-) -> None:
+def check_fp8_step(loss_fn: Callable[..., Any], has_states: bool, scaler: Any, policy: Policy) -> None:
     """Raises where the loss function and `TrainState.fp8` disagree, or the step cannot thread the states yet."""
     takes_scales = bool(getattr(loss_fn, TAKES_FP8_SCALES, False))
     if not has_states:
@@ -62,8 +61,12 @@ def check_fp8_step(
         )
     unsupported = [
         (isinstance(scaler, tuple), "several losses"),
-        (reduce_grads is not None, "reduce_grads (data parallel)"),
         (policy.param_dtype != torch.float32, f"{policy.param_dtype} params (the scales are float32)"),
+        (
+            not policy.casts_by_op and policy.compute_dtype != torch.float32,
+            f"a policy that casts params whole to {policy.compute_dtype} (rules=None), which would cast the "
+            f"float32 scales too: use the op rules (the default)",
+        ),
     ]
     for refused, what in unsupported:
         if refused:
@@ -93,10 +96,21 @@ def with_fp8_scales(loss_fn: Callable[..., Any], params: Any, fp8: Any, scaler: 
     return with_scales, (params, scales)
 
 
-def split_fp8_gradients(gradients: Gradients) -> tuple[Gradients, Any]:
-    """The params' gradients apart from the scales' (the amaxes), from a step over `(params, scales)`."""
+def split_fp8_gradients(gradients: Gradients) -> Gradients:
+    """The params' gradients in `grads`, the scales' (the amaxes) in `amaxes`, from a step over `(params, scales)`."""
     grads, amaxes = gradients.grads
-    return gradients._replace(grads=grads), amaxes
+    return gradients._replace(grads=grads, amaxes=amaxes)
+
+
+def check_reduced_amaxes(amaxes: Any, fp8: Any) -> None:
+    """Raises unless `reduce_grads` gave back one amax tensor of shape (3,) per state of `fp8`."""
+    states = pytree.tree_leaves(fp8, is_leaf=is_delayed_state)
+    leaves = pytree.tree_leaves(amaxes)
+    if len(leaves) != len(states) or any(not isinstance(a, torch.Tensor) or a.shape != (3,) for a in leaves):
+        raise TypeError(
+            f"reduce_grads must keep Gradients.amaxes, the step's FP8 amaxes (one tensor of shape (3,) per state "
+            f"of state.fp8, {len(states)} here): return gradients._replace(...) with them, reduced (maximum)"
+        )
 
 
 def advance_fp8(fp8: Any, amaxes: Any, applied: torch.Tensor, stepped: torch.Tensor | None) -> Any:

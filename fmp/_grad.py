@@ -63,6 +63,10 @@ class Gradients(NamedTuple):
         finite_per_loss: The flag each scaler adjusts by: `grads_finite` for one scaler, and for a
             tuple of scalers a tuple of flags, one per loss, each True when that loss's own
             unscaled gradients, and their sum, are finite.
+        amaxes: With FP8 delayed-scaling states in the step (`TrainState.fp8`), this step's
+            amaxes of each layer's input, weight and output gradient, in `TrainState.fp8`'s
+            structure: a data-parallel `reduce_grads` takes their maximum over the ranks.
+            `()` otherwise.
     """
 
     grads: Any
@@ -70,6 +74,7 @@ class Gradients(NamedTuple):
     loss: Any
     aux: Any
     finite_per_loss: Any
+    amaxes: Any = ()
 
 
 def check_scalers(scaler: Any) -> None:

@@ -27,6 +27,7 @@ from fmp._donation import select_into
 from fmp._donation import writes_in_place
 from fmp._fp8_step import advance_fp8
 from fmp._fp8_step import check_fp8_step
+from fmp._fp8_step import check_reduced_amaxes
 from fmp._fp8_step import has_fp8_states
 from fmp._fp8_step import split_fp8_gradients
 from fmp._fp8_step import with_fp8_scales
@@ -203,7 +204,8 @@ def train_step(
         donate: Whether the step may overwrite the tensors of `state` (as `jax.jit`'s `donate_argnums`).
         reduce_grads: Applied to each call's `Gradients` before they are accumulated or used, e.g.
             to average them across data-parallel ranks (`fmp.distributed`); it must return
-            `Gradients` of the same structure, and flags that every rank agrees on.
+            `Gradients` of the same structure, flags that every rank agrees on and, with FP8
+            states, `amaxes` (their maximum over the ranks).
         grad_norm: Whether to report the gradients' global norm in `info.grad_norm`. Compiled
             for a CPU, Inductor takes it in the loop that checks the gradients; eager, it reads
             them once more.
@@ -239,7 +241,7 @@ def train_step(
     donated_leaves = check_distinct(state, "state") if donate else []  # checked before anything is written
     params, opt_state, scaler, model_state = state.params, state.opt_state, state.scaler, state.model_state
     fp8 = has_fp8_states(state.fp8)
-    check_fp8_step(loss_fn, fp8, scaler, reduce_grads, policy)
+    check_fp8_step(loss_fn, fp8, scaler, policy)
     # With FP8 states, the step differentiates (params, scales): the scales' gradients are the amaxes.
     loss_fn, differentiated = with_fp8_scales(loss_fn, params, state.fp8, scaler) if fp8 else (loss_fn, params)
     if has_model_state(model_state):
@@ -254,7 +256,8 @@ def train_step(
     else:
         gradients = mixed_precision_grad(loss_fn, differentiated, scaler, *args, policy=policy, has_aux=has_aux)
         new_model_state = model_state
-    gradients, amaxes = split_fp8_gradients(gradients) if fp8 else (gradients, None)
+    if fp8:
+        gradients = split_fp8_gradients(gradients)
     state.counts.check(gradients.grads_finite.device)  # where the params are (their first accelerator)
     if reduce_grads is not None:
         gradients = reduce_grads(gradients)
@@ -264,8 +267,10 @@ def train_step(
         check_finite_flag(gradients.grads_finite, "reduce_grads' grads_finite")
         for index, flag in enumerate(pytree.tree_leaves(gradients.finite_per_loss)):
             check_finite_flag(flag, f"reduce_grads' finite_per_loss[{index}]")
+        if fp8:
+            check_reduced_amaxes(gradients.amaxes, state.fp8)
     gradients, bad_scale, in_range = _with_scales_in_range(scaler, gradients)
-    grads, grads_finite, loss, aux, finite_per_loss = gradients
+    grads, grads_finite, loss, aux, finite_per_loss, amaxes = gradients
     accumulator = state.accumulator
     if isinstance(accumulator, GradientAccumulator):
         window = accumulator.add(grads, grads_finite, finite_per_loss)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import fmp
 import fmp.distributed
+import fmp.fp8
 
 TIMEOUT_S = 20  # the process group's timeout: a stuck collective raises after this
 STEPS = 6
@@ -197,6 +198,31 @@ def unscaled_loss_on_the_wire() -> bool:
     return bool(info.applied)
 
 
+def fp8_train(rank: int | None, world: int) -> list[fmp.TrainState]:
+    """The MLP as nn.Linear layers on delayed FP8 scaling: the state after each step, on this rank's rows
+    (`fmp.distributed.train_step`) or, with `rank` None, on the whole batch in one process."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    recipes = {torch.nn.Linear: fmp.fp8.delayed(history_len=4)}
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(torch.func.functional_call(model, params, (x,)).float(), y.float())
+
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    scaler = fmp.DynamicLossScale.create(init_scale=2.0**10, growth_interval=2)
+    state = fmp.TrainState.create(params, fmp.optim.adamw(1e-2), scaler, fp8=fmp.fp8.init_states(model, recipes))
+    fp8_loss = fmp.fp8.fp8_modules(loss_fn, model, recipes)
+    kwargs = {"policy": F32, "optimizer": fmp.optim.adamw(1e-2)}
+    states = []
+    for batch in global_batches(world):
+        if rank is None:
+            state, _ = fmp.train_step(fp8_loss, state, *batch, **kwargs)
+        else:
+            state, _ = fmp.distributed.train_step(fp8_loss, state, *shard(batch, rank), **kwargs)
+        states.append(state)
+    return states
+
+
 def scenario_main(rank: int, world: int) -> dict[str, Any]:
     """Everything that shares one healthy process group."""
     results: dict[str, Any] = {}
@@ -232,6 +258,7 @@ def scenario_main(rank: int, world: int) -> dict[str, Any]:
         except ValueError as error:
             results["group_error"] = str(error)
     results["fsdp2"] = fsdp2_train(rank, world)
+    results["fp8"] = fp8_train(rank, world)
     return results
 
 

@@ -290,3 +290,20 @@ def test_agreeing_on_flags_takes_either_kind_of_collective(group_of_one: None) -
             worker.mlp_loss, worker.make_state()._replace(scaler=3), *worker.global_batches(1, poison=None)[0],
             policy=worker.F32, optimizer=fmp.optim.adamw(1e-2),
         )  # fmt: skip
+
+
+def test_fp8_amaxes_are_the_maximum_over_ranks_and_the_states_stay_identical(main: list[dict[str, Any]]) -> None:
+    rank0, rank1 = main
+    assert_trees_bitwise_equal(rank0["fp8"], rank1["fp8"])
+    reference = worker.fp8_train(None, WORLD)  # one process on the ranks' rows together
+    first, one = rank0["fp8"][0].fp8, reference[0].fp8
+    for name in ("0", "2"):
+        # The input's and the weight's amaxes are the whole batch's; each rank's output gradient is of
+        # its own rows' mean loss, twice the whole batch's mean: the maximum over ranks is twice its amax.
+        assert torch.equal(first[name].amax_history[-1, :2], one[name].amax_history[-1, :2])
+        torch.testing.assert_close(
+            first[name].amax_history[-1, 2], 2 * one[name].amax_history[-1, 2], rtol=1e-6, atol=0
+        )
+    # Step 2 overflows on rank 1 alone: every rank skips it and keeps its FP8 states.
+    assert_trees_bitwise_equal(rank0["fp8"][2].fp8, rank0["fp8"][1].fp8)
+    assert (int(rank0["fp8"][-1].counts.applied), int(rank0["fp8"][-1].counts.skipped)) == (worker.STEPS - 1, 1)

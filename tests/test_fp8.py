@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+from typing import Any
 
 import optree
 import pytest
@@ -280,6 +281,67 @@ def test_fp8_linear_tracks_the_float32_linear_forward_and_backward(name: str) ->
         assert relative_error(grad, want) < 0.12
 
 
+def reference_fake_quantize(matrix: torch.Tensor, block: tuple[int, int], scale_of: Any) -> torch.Tensor:
+    """Quantize-dequantize by blocks, written apart from fmp's: per block, scale_of(amax), saturate, cast, undo."""
+    rows, cols = matrix.shape
+    blocks = matrix.detach().float().reshape(rows // block[0], block[0], cols // block[1], block[1])
+    scale = scale_of(blocks.abs().amax(dim=(1, 3), keepdim=True))
+    return ((blocks * scale).clamp(-E4M3_MAX, E4M3_MAX).to(f8.E4M3).float() * (1 / scale)).reshape(rows, cols)
+
+
+def mx_scale(amaxes: torch.Tensor) -> torch.Tensor:
+    exponents = [math.frexp(a)[1] - 1 - 8 if a > 0 else -127 for a in amaxes.flatten().tolist()]
+    return torch.tensor([2.0 ** -min(max(e, -127), 127) for e in exponents]).reshape(amaxes.shape)
+
+
+@pytest.mark.parametrize("name", ["rowwise", "mxfp8", "blockwise"])
+def test_each_matmul_of_fp8_linear_scales_along_the_dim_it_contracts(name: str) -> None:
+    # y = x W^T contracts the features; grad_x = g W the out features; grad_W = g^T x the tokens.
+    def along(contracted: int, size: int) -> tuple[int, int]:
+        return (size, 1) if contracted == 0 else (1, size)
+
+    pow2 = lambda a: torch.exp2(torch.floor(torch.log2(E4M3_MAX / a.clamp(min=1e-12))))  # noqa: E731
+    quantizers = {
+        "rowwise": lambda m, role, dim: reference_fake_quantize(m, along(dim, m.shape[dim]), pow2),
+        "mxfp8": lambda m, role, dim: reference_fake_quantize(m, along(dim, 32), mx_scale),
+        "blockwise": lambda m, role, dim: reference_fake_quantize(
+            m, (32, 32) if role == "weight" else along(dim, 32), lambda a: E4M3_MAX / a.clamp(min=1e-12)
+        ),
+    }
+    q = quantizers[name]
+    x, weight, g = (
+        matrix(64, 128, seed=20).requires_grad_(),
+        matrix(64, 128, seed=21).requires_grad_(),
+        matrix(64, 64, 22),
+    )
+    y = f8.fp8_linear(x, weight, recipe=RECIPES[name])
+    grad_x, grad_w = torch.autograd.grad(y, (x, weight), g)
+    x, weight = x.detach(), weight.detach()
+    assert torch.equal(y, q(x, "input", 1) @ q(weight.t(), "weight", 0))
+    assert torch.equal(grad_x, q(g, "grad_output", 1) @ q(weight, "weight", 0))
+    assert torch.equal(grad_w, q(g.t(), "grad_output", 1) @ q(x, "input", 0))
+
+
+@pytest.mark.parametrize("recipe", [f8.tensorwise(), f8.rowwise(), f8.delayed()], ids=lambda r: type(r).__name__)
+def test_scaled_mm_gets_a_row_major_and_a_column_major_operand_in_all_three_matmuls(
+    recipe: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # cuBLASLt takes no other layout; the CPU's kernel takes any, so the layouts are checked here.
+    layouts = []
+    scaled_mm = torch._scaled_mm
+
+    def spy(a: torch.Tensor, b: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        layouts.append((a.is_contiguous(), b.t().is_contiguous()))
+        return scaled_mm(a, b, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    x, weight = matrix(32, 64, seed=23).bfloat16().requires_grad_(), matrix(48, 64, seed=24).requires_grad_()
+    scales = {"scales": torch.ones(3)} if isinstance(recipe, f8.DelayedScaling) else {}
+    y = f8.fp8_linear(x, weight, recipe=recipe, **scales)
+    torch.autograd.grad(y.float().sum(), (x, weight))
+    assert len(layouts) == 3 and all(row and column for row, column in layouts)
+
+
 def test_the_native_scaled_mm_and_the_emulated_matmul_agree_bit_for_bit() -> None:
     a, b = matrix(32, 64, seed=7), matrix(64, 48, seed=8)
     for recipe in (f8.tensorwise(), f8.rowwise(), f8.rowwise(power_of_2=False)):
@@ -289,12 +351,15 @@ def test_the_native_scaled_mm_and_the_emulated_matmul_agree_bit_for_bit() -> Non
             assert torch.equal(native, f8.fp8_matmul(qa, qb, dtype, native=False))
 
 
-def test_fp8_linear_takes_leading_dims_and_runs_inside_autocast_as_its_recipe_says() -> None:
+def test_fp8_linear_takes_leading_dims_and_the_autocast_dtype_as_nn_linear_does() -> None:
     x, weight = matrix(4 * 16, 32, seed=9).reshape(4, 16, 32), matrix(16, 32, seed=10)
     plain = f8.fp8_linear(x, weight, recipe=f8.tensorwise())
+    assert plain.shape == (4, 16, 16) and plain.dtype == torch.float32
+    # Under autocast the input is cast to its dtype, as nn.Linear's (and torchao's Float8Linear's);
+    # inside, the matmul is the recipe's, not autocast's.
     with torch.autocast("cpu", dtype=torch.bfloat16):
         under_autocast = f8.fp8_linear(x, weight, recipe=f8.tensorwise())
-    assert plain.shape == (4, 16, 16) and torch.equal(plain, under_autocast)
+    assert torch.equal(under_autocast, f8.fp8_linear(x.bfloat16(), weight, recipe=f8.tensorwise()))
 
 
 def test_delayed_fp8_linear_gives_the_steps_amaxes_as_the_scales_gradient() -> None:
@@ -328,18 +393,37 @@ def test_fp8_linear_under_torch_func_grad_and_vmap_matches_a_loop() -> None:
     ("kwargs", "error", "message"),
     [
         ({"recipe": "tensorwise"}, TypeError, "recipe must be an fmp.fp8 recipe"),
-        ({"recipe": f8.delayed()}, TypeError, "scales go with a delayed recipe"),
-        ({"recipe": f8.tensorwise(), "scales": torch.ones(3)}, TypeError, "scales go with a delayed recipe"),
+        ({"recipe": f8.delayed()}, TypeError, "scales and loss_scale go with a delayed recipe"),
+        ({"recipe": f8.tensorwise(), "scales": torch.ones(3)}, TypeError, "go with a delayed recipe"),
+        ({"recipe": f8.tensorwise(), "loss_scale": torch.ones(())}, TypeError, "go with a delayed recipe"),
+        ({"recipe": f8.delayed(), "scales": torch.ones(2)}, ValueError, r"float32 tensor of shape \(3,\)"),
+        ({"recipe": f8.delayed(), "scales": torch.ones(3).half()}, ValueError, "float32 tensor of shape"),
+        (
+            {"recipe": f8.delayed(), "scales": torch.ones(3), "loss_scale": torch.ones(2)},
+            ValueError,
+            "loss_scale must be a 0-dim float32 tensor",
+        ),
+        ({"recipe": f8.tensorwise(), "bias": torch.ones(16, 1)}, ValueError, r"bias must be of shape \(16,\)"),
+        ({"recipe": f8.mxfp8()}, ValueError, r"the tokens \(2\) must be a multiple of the recipe's block \(32\)"),
     ],
 )
 def test_fp8_linear_refuses_bad_arguments(kwargs: dict[str, object], error: type, message: str) -> None:
+    weight = torch.ones(16 if "bias" in kwargs else 32, 32)
     with pytest.raises(error, match=message):
-        f8.fp8_linear(torch.ones(2, 16), torch.ones(16, 16), **kwargs)  # type: ignore[arg-type]
+        f8.fp8_linear(torch.ones(2, 32), weight, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("x", [torch.ones(2, 16, dtype=torch.int64), torch.ones(2, 16, dtype=torch.complex64)])
+def test_fp8_linear_refuses_inputs_that_are_not_real_floats(x: torch.Tensor) -> None:
+    with pytest.raises(TypeError, match=r"x must be a real floating-point tensor, got torch\.(int64|complex64)"):
+        f8.fp8_linear(x, torch.ones(16, 16), recipe=f8.tensorwise())
 
 
 def test_fp8_linear_refuses_mismatched_shapes() -> None:
     with pytest.raises(ValueError, match=r"x \(2, 16\) and weight \(16, 8\) do not match"):
         f8.fp8_linear(torch.ones(2, 16), torch.ones(16, 8), recipe=f8.tensorwise())
+    with pytest.raises(ValueError, match=r"x \(\) and weight \(16, 8\) do not match"):
+        f8.fp8_linear(torch.ones(()), torch.ones(16, 8), recipe=f8.tensorwise())
 
 
 def test_recipes_refuse_bad_arguments() -> None:

@@ -84,7 +84,7 @@ def test_the_first_matching_key_wins() -> None:
 @pytest.mark.parametrize(
     ("recipes", "error", "message"),
     [
-        ({nn.ReLU: f8.tensorwise()}, TypeError, r"matched '1', a ReLU: only nn.Linear"),
+        ({nn.ReLU: f8.tensorwise()}, TypeError, r"matched '1', a ReLU with a forward of its own: only nn.Linear"),
         ({nn.Linear: "tensorwise"}, TypeError, r"must be an fmp.fp8 recipe .* got str"),
         ({"blocks.*": f8.tensorwise()}, ValueError, "pattern 'blocks.*' matches no module"),
         ({nn.Conv2d: f8.tensorwise()}, ValueError, "the keys match no nn.Linear"),
@@ -128,3 +128,33 @@ def test_a_compiled_train_step_with_fp8_layers_is_one_graph_and_tracks_eager() -
     torch.testing.assert_close(compiled_info.loss, eager_info.loss, rtol=0.02, atol=0.0)
     for name in params:
         torch.testing.assert_close(compiled_state.params[name], eager_state.params[name], rtol=0.02, atol=2e-3)
+
+
+def test_a_model_with_attention_takes_a_class_key_and_runs_its_linear_layers_in_fp8() -> None:
+    # nn.MultiheadAttention's out_proj is a subclass of nn.Linear whose weight its parent reads directly.
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, batch_first=True)
+    x = torch.randn(2, 8, 32)
+    out = f8.fp8_modules(lambda x: model(x), model, {nn.Linear: f8.tensorwise()})(x)
+    assert out.shape == (2, 8, 32) and not torch.equal(out, model(x))
+
+
+def test_delayed_and_current_scaling_mix_in_one_model() -> None:
+    model, x = two_layers(), torch.randn(16, 32)
+    recipes = {"0": f8.delayed(4), "2": f8.rowwise()}
+    states = f8.init_states(model, recipes)
+    assert set(states) == {"0"}
+    scales = f8.Fp8Scales({"0": states["0"].scale}, torch.ones(()))
+    out = f8.fp8_modules(lambda p, x: model(x), model, recipes)({}, scales, x)
+    hidden = model[1](f8.fp8_linear(x, model[0].weight, model[0].bias, recipe=recipes["0"], scales=scales.scales["0"]))
+    assert torch.equal(out, f8.fp8_linear(hidden, model[2].weight, model[2].bias, recipe=f8.rowwise()))
+
+
+def test_a_delayed_layer_that_runs_twice_in_a_call_is_refused_by_name() -> None:
+    layer = nn.Linear(16, 16)
+    model = nn.Sequential(layer)
+    recipes = {nn.Linear: f8.delayed(4)}
+    scales = f8.Fp8Scales({"0": f8.init_states(model, recipes)["0"].scale}, torch.ones(()))
+    twice = f8.fp8_modules(lambda p, x: model(model(x)), model, recipes)
+    with pytest.raises(RuntimeError, match=r"the delayed-scaling layer '0' ran twice in one call"):
+        twice({}, scales, torch.randn(4, 16))

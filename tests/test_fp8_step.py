@@ -129,7 +129,9 @@ def test_the_states_save_and_load_with_the_train_state(tmp_path: Path) -> None:
 def test_an_ensemble_of_fp8_states_maps_under_vmap() -> None:
     model = mlp()
     step, state, _ = setup(model, fmp.DynamicLossScale.create())
-    members = [state, state._replace(params={k: v * 2 for k, v in state.params.items()})]
+    # Members of their own: other params and another loss scale.
+    other = fmp.DynamicLossScale.create(init_scale=2.0**4)
+    members = [state, state._replace(params={k: v * 2 for k, v in state.params.items()}, scaler=other)]
     xs, ys = torch.stack([batch(1)[0], batch(2)[0]]), torch.stack([batch(1)[1], batch(2)[1]])
     xs[1, 0, 0] = float("inf")  # member 1 alone skips, and keeps its FP8 states
     mapped, info = torch.func.vmap(step)(fmp.stack_trees(members), xs, ys)
@@ -137,6 +139,12 @@ def test_an_ensemble_of_fp8_states_maps_under_vmap() -> None:
     one, _ = step(members[0], xs[0], ys[0])
     assert_trees_close(fmp.unstack_tree(mapped, 0).fp8, one.fp8, rtol=1e-6, atol=0.0)
     assert_trees_bitwise_equal(fmp.unstack_tree(mapped, 1).fp8, members[1].fp8)
+    clean = xs[1].clone()
+    clean[0, 0] = 0.0
+    mapped, info = torch.func.vmap(step)(fmp.stack_trees(members), torch.stack([xs[0], clean]), ys)
+    alone, _ = step(members[1], clean, ys[1])
+    assert info.applied.tolist() == [True, True]
+    assert_trees_close(fmp.unstack_tree(mapped, 1).fp8, alone.fp8, rtol=1e-6, atol=0.0)
 
 
 @pytest.mark.compiled
@@ -190,10 +198,40 @@ def test_with_accumulation_a_window_records_its_largest_amaxes_and_advances_once
     assert_trees_bitwise_equal(skipped.fp8, end.fp8)
 
 
+def test_a_reduce_grads_hook_gets_the_amaxes_and_must_give_them_back() -> None:
+    step, state, _ = setup(mlp(), fmp.DynamicLossScale.create())
+    seen = []
+    plain, _ = step(state, *batch())
+    hooked, _ = step(state, *batch(), reduce_grads=lambda g: seen.append(g.amaxes) or g)
+    assert_trees_bitwise_equal(hooked, plain)
+    assert set(seen[0]) == {"0", "2"} and seen[0]["0"].shape == (3,)
+    with pytest.raises(TypeError, match=r"reduce_grads must keep Gradients.amaxes"):
+        step(state, *batch(), reduce_grads=lambda g: g._replace(amaxes=()))
+
+
+def test_a_huge_loss_scale_does_not_make_a_finite_step_look_overflowed() -> None:
+    # The input's amax times the loss scale passes float32's largest; every gradient stays finite.
+    model = nn.Sequential(nn.Linear(32, 16))
+    params, _ = fmp.nn.split(model)
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return (torch.func.functional_call(model, params, (x,)).float() * 1e-10).sum()
+
+    optimizer = fmp.optim.sgd(1e-3)
+    state = fmp.TrainState.create(
+        params, optimizer, fmp.StaticLossScale.create(2.0**110), fp8=f8.init_states(model, RECIPES)
+    )
+    x = 1e6 * batch()[0]
+    new, info = fmp.train_step(f8.fp8_modules(loss_fn, model, RECIPES), state, x, policy=BF16, optimizer=optimizer)
+    assert bool(info.applied)
+    assert new.fp8["0"].amax_history[-1, 0] == torch.finfo(torch.float32).max / 2.0**110
+
+
 def test_what_the_step_does_not_thread_yet_is_refused_by_name() -> None:
     step, state, _ = setup(mlp(), fmp.DynamicLossScale.create())
-    with pytest.raises(ValueError, match=r"with reduce_grads \(data parallel\)"):
-        step(state, *batch(), reduce_grads=lambda g: g)
     two = copy.copy(state)._replace(scaler=(state.scaler, state.scaler))
     with pytest.raises(ValueError, match="with several losses"):
         step(two, *batch())
+    whole = fmp.get_policy("params=float32,compute=float16,output=float32,rules=none")
+    with pytest.raises(ValueError, match=r"casts params whole to torch.float16 \(rules=None\)"):
+        step(state, *batch(), policy=whole)

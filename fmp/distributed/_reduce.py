@@ -161,6 +161,9 @@ def all_reduce_gradients(
     rank's gradients were finite and so is their average (a sum can overflow a 16-bit reduce dtype);
     each per-loss flag is True when that loss was finite on every rank and the average did not
     overflow. Complex gradients are reduced in their own precision. The loss and aux stay local.
+    FP8 amaxes (`gradients.amaxes`, with delayed-scaling states) come back as their maximum over
+    the ranks: they travel with the flags, in a float32 buffer of their own, each rank's in a row
+    of its own, so the one all-reduce serves both.
 
     With `loss_scale` and a reduce dtype of less range than the gradients (float16 for float32
     gradients), the gradients are multiplied by it on the wire and divided after, so the sum sees
@@ -207,7 +210,7 @@ def all_reduce_gradients(
             else type(loss_scale).__name__
         )
         raise TypeError(f"loss_scale must be a 0-dim floating tensor such as scaler.loss_scale, or None; got {got}")
-    grads, grads_finite, loss, aux, finite_per_loss = gradients
+    grads, grads_finite, loss, aux, finite_per_loss, amaxes = gradients
     check_finite_flag(grads_finite, "gradients.grads_finite")
     flags, flags_spec = pytree.tree_flatten(finite_per_loss)
     for index, flag in enumerate(flags):
@@ -233,13 +236,28 @@ def all_reduce_gradients(
     # Flags as 0 (finite) or inf (overflow): a sum over ranks is inf exactly when some rank overflowed.
     stacked = torch.stack([grads_finite, *(flag.to(grads_finite.device) for flag in flags)])
     slots = torch.where(stacked, 0.0, float("inf"))
-    if buffers:
+    amax_leaves, amax_spec = pytree.tree_flatten(amaxes)
+    if amax_leaves:
+        # FP8 amaxes travel with the flags, in float32, each rank's in a row of its own: the sum's
+        # rows are the ranks' amaxes exactly, whose maximum every rank takes.
+        buffers.append(_amax_rows(amax_leaves, group, world, slots))
+    elif buffers:
         buffers[0] = torch.cat([buffers[0], slots.to(buffers[0].device, buffers[0].dtype)])
     else:
         buffers.append(slots)
     reduced = _collective(lambda: _all_reduce(buffers, "sum", group, collectives), "gradient all-reduce", world)
-    agreed = torch.isfinite(reduced[0][-len(slots) :])
-    reduced[0] = reduced[0][: -len(slots)]
+    if amax_leaves:
+        meta = reduced.pop()
+        agreed = torch.isfinite(meta[: len(slots)])
+        rows = meta[len(slots) :].view(world, -1).amax(dim=0)
+        parts = torch.split(rows, [a.numel() for a in amax_leaves])
+        new_amaxes = pytree.tree_unflatten(
+            [p.view(a.shape) for p, a in zip(parts, amax_leaves, strict=True)], amax_spec
+        )
+    else:
+        agreed = torch.isfinite(reduced[0][-len(slots) :])
+        reduced[0] = reduced[0][: -len(slots)]
+        new_amaxes = amaxes
 
     new_leaves: list[torch.Tensor] = list(leaves)
     # Without gradients `reduced` holds the flags' buffer alone, and zip stops at the empty plan.
@@ -258,7 +276,14 @@ def all_reduce_gradients(
     reduce_overflowed = every_rank_finite & ~average_finite
     new_flags = [agreed[1 + index] & ~reduce_overflowed for index in range(len(flags))]
     new_finite_per_loss = pytree.tree_unflatten(new_flags, flags_spec)
-    return Gradients(new_grads, every_rank_finite & average_finite, loss, aux, new_finite_per_loss)
+    return Gradients(new_grads, every_rank_finite & average_finite, loss, aux, new_finite_per_loss, new_amaxes)
+
+
+def _amax_rows(amaxes: list[torch.Tensor], group: dist.ProcessGroup, world: int, flags: torch.Tensor) -> torch.Tensor:
+    """The flags, then a (world, n) block of zeros holding this rank's `n` amaxes in its row, flat, float32."""
+    mine = torch.cat([a.reshape(-1).float() for a in amaxes]).to(flags.device)
+    rows = torch.arange(world, device=flags.device)[:, None] == dist.get_rank(group)
+    return torch.cat([flags.float(), torch.where(rows, mine, 0.0).reshape(-1)])
 
 
 def _check_collectives(collectives: Any) -> None:

@@ -66,8 +66,10 @@ def fp8_matmul(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, native: bo
     scale_a, scale_b = a.scale.reciprocal(), b.scale.reciprocal()
     if scale_a.numel() == 1 and scale_b.numel() == 1:
         scale_a, scale_b = scale_a.reshape(()), scale_b.reshape(())
-    column_major = b.data.t().contiguous().t()
-    return torch._scaled_mm(a.data, column_major, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    # cuBLASLt multiplies a row-major by a column-major matrix only (the weight gradient's
+    # grad_output.t() arrives column-major).
+    row_major, column_major = a.data.contiguous(), b.data.t().contiguous().t()
+    return torch._scaled_mm(row_major, column_major, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
 
 
 def _runs_native(recipe: Recipe, a: Quantized, b: Quantized, out_dtype: torch.dtype) -> bool:
@@ -148,8 +150,12 @@ def _backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
     # gradient by; the output gradient's is of the scaled gradient already.
     grad_scales = None
     if scales is not None:
-        amaxes = torch.stack([amax(x) * loss_scale, amax(weight) * loss_scale, amax(grad_output)])
-        grad_scales = amaxes.to(scales.dtype)
+        # A finite amax saturates, so that a huge loss scale does not make a finite step look
+        # overflowed; an inf or NaN one (an activation that overflowed) stays, and skips the step.
+        forward_amaxes = torch.stack([amax(x), amax(weight)])
+        scaled = (forward_amaxes * loss_scale).clamp(max=torch.finfo(torch.float32).max)
+        forward_amaxes = torch.where(torch.isfinite(forward_amaxes), scaled, forward_amaxes)
+        grad_scales = torch.cat([forward_amaxes, amax(grad_output)[None]]).to(scales.dtype)
     return grad_x, grad_w, grad_scales, None, None
 
 
@@ -162,6 +168,45 @@ def _apply(
 ) -> torch.Tensor:
     # A function of its own, not the bound `apply`, which Dynamo cannot call through a wrapper.
     return _Fp8Linear.apply(x, weight, scales, loss_scale, recipe)  # type: ignore[no-any-return,no-untyped-call]
+
+
+def _check_arguments(x: Any, weight: Any, bias: Any, recipe: Any, scales: Any, loss_scale: Any) -> None:
+    """Raises naming the first argument `fp8_linear` cannot take."""
+    if not isinstance(recipe, Fp8Recipe | DelayedScaling):
+        raise TypeError(f"recipe must be an fmp.fp8 recipe (fmp.fp8.tensorwise(), ...), got {type(recipe).__name__}")
+    for what, tensor in (("x", x), ("weight", weight), ("bias", bias)):
+        if what == "bias" and tensor is None:
+            continue
+        if not (isinstance(tensor, torch.Tensor) and tensor.is_floating_point()):
+            got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise TypeError(f"fp8_linear: {what} must be a real floating-point tensor, got {got}")
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"fp8_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"fp8_linear: bias must be of shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    delayed = isinstance(recipe, DelayedScaling)
+    if delayed != (scales is not None) or (loss_scale is not None and not delayed):
+        raise TypeError(
+            "scales and loss_scale go with a delayed recipe and only with it: pass state.scale of the linear's "
+            "DelayedScalingState"
+        )
+    if delayed and not (isinstance(scales, torch.Tensor) and scales.shape == (3,) and scales.dtype == torch.float32):
+        found = f"{scales.dtype} of shape {tuple(scales.shape)}" if isinstance(scales, torch.Tensor) else type(scales)
+        raise ValueError(f"fp8_linear: scales must be a float32 tensor of shape (3,), a state's scale; got {found}")
+    if loss_scale is not None and not (
+        isinstance(loss_scale, torch.Tensor) and loss_scale.dim() == 0 and loss_scale.dtype == torch.float32
+    ):
+        raise ValueError(f"fp8_linear: loss_scale must be a 0-dim float32 tensor, got {loss_scale!r}")
+    if isinstance(recipe, Fp8Recipe) and recipe.block:
+        # Blocks run along each matmul's contracted dim: the features, and the tokens for the weight's gradient.
+        tokens = x.numel() // max(x.shape[-1], 1)
+        for what, size in (("in features", weight.shape[1]), ("out features", weight.shape[0]), ("tokens", tokens)):
+            if size % recipe.block:
+                raise ValueError(
+                    f"fp8_linear ({recipe.name}): the {what} ({size}) must be a multiple of the recipe's block "
+                    f"({recipe.block}), along which it is scaled (the tokens, the product of x's leading dims, "
+                    f"for the weight's gradient)"
+                )
 
 
 # Autocast off inside (fmp's and torch's): the operands' casts are the recipe's.
@@ -205,16 +250,14 @@ def fp8_linear(
             (or given to another).
         ValueError: If a dim is not a multiple of the recipe's block.
     """
-    if not isinstance(recipe, Fp8Recipe | DelayedScaling):
-        raise TypeError(f"recipe must be an fmp.fp8 recipe (fmp.fp8.tensorwise(), ...), got {type(recipe).__name__}")
-    if isinstance(recipe, DelayedScaling) != (scales is not None):
-        raise TypeError(
-            "scales go with a delayed recipe and only with it: pass state.scale of the linear's DelayedScalingState"
-        )
+    _check_arguments(x, weight, bias, recipe, scales, loss_scale)
     if scales is not None and loss_scale is None:
         loss_scale = torch.ones((), dtype=torch.float32, device=scales.device)
-    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"fp8_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
+    device = x.device.type
+    if torch.is_autocast_enabled(device) and x.is_floating_point() and x.dtype != torch.float64:
+        # As an nn.Linear under autocast, and as torchao's Float8Linear: the input and the output
+        # in the autocast dtype (the weight is quantized from its own dtype).
+        x = x.to(torch.get_autocast_dtype(device))
     flat = x.reshape(-1, x.shape[-1])
     if torch.compiler.is_compiling():
         # Views, so that Dynamo calls the Function's backward even where every argument is a

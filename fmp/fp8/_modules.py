@@ -82,10 +82,12 @@ def _plan(model: nn.Module, recipes: Mapping[Any, Recipe], caller: str) -> Plan:
         recipe = _recipe_for(names, module, recipes)
         if recipe is None:
             continue
-        if type(module) is not nn.Linear:
+        # Subclasses that keep nn.Linear's forward run it too (nn.MultiheadAttention's out_proj, whose
+        # parent reads its weight directly, so that FP8 does not apply there, as with module_policies).
+        if not (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward):
             raise TypeError(
-                f"{caller} matched {names[0]!r}, a {type(module).__name__}: only nn.Linear layers run in FP8 "
-                f"(match them by class, nn.Linear, or by a name pattern that names linear layers only)"
+                f"{caller} matched {names[0]!r}, a {type(module).__name__} with a forward of its own: only "
+                f"nn.Linear layers run in FP8; name the linear layers with patterns that leave it out"
             )
         plan.append((names[0], module, recipe))
     if not plan:
@@ -116,12 +118,20 @@ def init_states(
 
 
 def _fp8_forward(
-    name: str, module: nn.Linear, recipe: Recipe, scales: Fp8Scales | None
+    name: str, module: nn.Linear, recipe: Recipe, scales: Fp8Scales | None, calls: set[str]
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     def fp8_forward(x: torch.Tensor) -> torch.Tensor:
         # The parameters in place now: those functional_call swapped in, or the module's own.
-        if scales is None:
+        if not isinstance(recipe, DelayedScaling):
             return fp8_linear(x, module.weight, module.bias, recipe=recipe)
+        if name in calls:
+            raise RuntimeError(
+                f"fp8_modules: the delayed-scaling layer {name!r} ran twice in one call: its scales' gradient "
+                f"would add the amaxes of both runs, where delayed scaling takes one per step; give a layer "
+                f"that runs several times a current-scaling recipe (tensorwise())"
+            )
+        calls.add(name)
+        assert scales is not None  # delayed layers' functions take them (see _check_scales)
         layer_scales = scales.scales[name]
         return fp8_linear(
             x, module.weight, module.bias, recipe=recipe, scales=layer_scales, loss_scale=scales.loss_scale
@@ -185,7 +195,8 @@ def fp8_modules(fn: Callable[..., R], model: nn.Module, recipes: Mapping[Any, Re
     plan = _plan(model, recipes, "fp8_modules")
 
     def run(scales: Fp8Scales | None, *args: Any, **kwargs: Any) -> R:
-        forwards = [(name, module, _fp8_forward(name, module, recipe, scales)) for name, module, recipe in plan]
+        calls: set[str] = set()  # the delayed layers that ran in this call
+        forwards = [(name, module, _fp8_forward(name, module, recipe, scales, calls)) for name, module, recipe in plan]
         with patched_forwards(forwards, "fp8_modules"):
             return fn(*args, **kwargs)
 
