@@ -7,9 +7,11 @@ recipe with `fmp.fp8.fp8_modules` (delayed scaling's states threaded by the step
 ratio to the bfloat16 row, and the loss at the last step (all rows see the same batches, so the
 losses say what the recipe costs in accuracy).
 
-Where torchao is installed, a last row trains the same model with torchao's float8 training (its
-default recipe, per-tensor scales as fmp's tensorwise) in a torch loop with AdamW(fused=True),
-without autocast (see `torchao_contender`).
+Where torchao is installed, two last rows compare with torchao's float8 training (its default
+recipe, per-tensor scales as fmp's tensorwise), float32 outside the FP8 matmuls in both: on a CPU
+torchao casts an autocast region's inputs to the GPU's autocast dtype, float16. fmp's row is
+tensorwise under a float32 policy; torchao's, its converted model in a torch loop with
+AdamW(fused=True) and no loss scale.
 
 On a CPU torch only emulates FP8 matmuls (the FP8 operands are multiplied as float32), so FP8
 costs time there; the numerics are those of the hardware. On a GPU with FP8 tensor cores (H100),
@@ -52,9 +54,12 @@ SIZES = {
 # DeepSeek-V3's 128 blocks need features of 128 and more: the CPU size's are 64.
 BLOCK = {"cpu": 32, "cuda": 128}
 POLICY = fmp.get_policy("params=float32,compute=bfloat16,output=float32")
+FLOAT32 = fmp.Policy()  # the peer of torchao's row: float32 outside the FP8 matmuls
 
 
-def contender(model: nn.Module, recipe: Any, compiled: bool) -> tuple[Callable[..., Any], list[Any]]:
+def contender(
+    model: nn.Module, recipe: Any, compiled: bool, policy: fmp.Policy = POLICY
+) -> tuple[Callable[..., Any], list[Any]]:
     """A step function over its own state (kept in the returned list) for `model`'s copy."""
     params, buffers = fmp.nn.split(model)
 
@@ -68,7 +73,7 @@ def contender(model: nn.Module, recipe: Any, compiled: bool) -> tuple[Callable[.
     optimizer = fmp.optim.adamw(1e-3)
     scaler = fmp.DynamicLossScale.create()
     state = [fmp.TrainState.create(params, optimizer, scaler, model_state=buffers, fp8=fp8)]
-    train_step = functools.partial(fmp.train_step, loss_fn, policy=POLICY, optimizer=optimizer)
+    train_step = functools.partial(fmp.train_step, loss_fn, policy=policy, optimizer=optimizer)
     if compiled:
         train_step = torch.compile(train_step, fullgraph=True)
 
@@ -80,11 +85,7 @@ def contender(model: nn.Module, recipe: Any, compiled: bool) -> tuple[Callable[.
 
 
 def torchao_contender(model: nn.Module, compiled: bool) -> tuple[Callable[..., Any], list[Any]]:
-    """torchao's float8 training (its default: dynamic per-tensor scales) on `model`, a torch loop.
-
-    No autocast: on a CPU torchao casts an autocast region's inputs to the GPU's autocast dtype
-    (float16), so its other ops run in float32 here.
-    """
+    """torchao's float8 training (its default: dynamic per-tensor scales) on `model`, a torch loop, no autocast."""
     from torchao.float8 import convert_to_float8_training
 
     converted = convert_to_float8_training(model)
@@ -126,7 +127,9 @@ def main() -> None:
         model = case.build(**build_sizes).to(device).train()
         rows[label] = contender(model, recipe, args.compiled)
     if importlib.util.find_spec("torchao") is not None:
-        rows["torchao float8"] = torchao_contender(case.build(**build_sizes).to(device).train(), args.compiled)
+        fresh = case.build(**build_sizes).to(device).train()
+        rows["fp8 tensorwise, f32"] = contender(fresh, f8.tensorwise(), args.compiled, FLOAT32)
+        rows["torchao float8, f32"] = torchao_contender(case.build(**build_sizes).to(device).train(), args.compiled)
     times: dict[str, list[float]] = {label: [] for label in rows}
     losses: dict[str, float] = {}
     for step, _ in rows.values():  # warm-up (compiles)
