@@ -158,3 +158,42 @@ def test_a_delayed_layer_that_runs_twice_in_a_call_is_refused_by_name() -> None:
     twice = f8.fp8_modules(lambda p, x: model(model(x)), model, recipes)
     with pytest.raises(RuntimeError, match=r"the delayed-scaling layer '0' ran twice in one call"):
         twice({}, scales, torch.randn(4, 16))
+
+
+class RematBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.inner(x))
+
+
+class RematModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block, self.head = RematBlock(), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(fmp.remat.remat(self.block)(x))
+
+
+@pytest.mark.parametrize("recipe", [f8.tensorwise(), f8.delayed(4)], ids=lambda r: type(r).__name__)
+def test_inside_remat_current_scaling_trains_and_delayed_scaling_is_refused_by_remat(recipe: Any) -> None:
+    model = RematModel()
+    params, _ = fmp.nn.split(model)
+    recipes = {nn.Linear: recipe}
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, params, (x,)).float().square().mean()
+
+    optimizer = fmp.optim.sgd(0.1)
+    state = fmp.TrainState.create(params, optimizer, fmp.NoOpLossScale(), fp8=f8.init_states(model, recipes))
+    step = functools.partial(fmp.train_step, f8.fp8_modules(loss_fn, model, recipes), policy=BF16, optimizer=optimizer)
+    if isinstance(recipe, f8.DelayedScaling):
+        with pytest.raises(RuntimeError, match=r"reads a tensor of shape \(3,\) that is being differentiated"):
+            step(state, torch.randn(16, 32))
+        return
+    new, info = step(state, torch.randn(16, 32))
+    assert bool(info.applied) and not torch.equal(new.params["block.inner.weight"], params["block.inner.weight"])
