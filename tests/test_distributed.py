@@ -271,6 +271,15 @@ def test_one_rank_is_the_local_step_and_bad_arguments_are_named(group_of_one: No
     assert not bool(empty.grads_finite) and not bool(empty.finite_per_loss)
 
 
+def test_one_rank_gets_its_own_fp8_amaxes_back(group_of_one: None) -> None:
+    # Each rank's amaxes go in a row of its own, which a group of one reads back as they were.
+    finite = torch.ones((), dtype=torch.bool)
+    amaxes = {"0": torch.tensor([1.0, 2.0, 3.0]), "2": torch.tensor([0.5, 4.0, 8.0])}
+    gradients = fmp.Gradients({"w": torch.ones(3)}, finite, (), (), finite, amaxes)
+    reduced = fmp.distributed.all_reduce_gradients(gradients, policy=worker.F32)
+    assert_trees_bitwise_equal(reduced.amaxes, amaxes)
+
+
 def test_agreeing_on_flags_takes_either_kind_of_collective(group_of_one: None) -> None:
     flags = (torch.ones((), dtype=torch.bool), torch.zeros((), dtype=torch.bool))
     for collectives in ("functional", "eager"):

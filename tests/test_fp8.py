@@ -132,6 +132,16 @@ def test_mxfp8_matches_the_spec_bit_for_bit() -> None:
     assert torch.equal(q.data.view(torch.uint8), data.view(torch.uint8))
 
 
+def test_mxfp8_follows_the_spec_for_blocks_at_the_top_of_float32s_range() -> None:
+    x = matrix(2, 64, seed=2)
+    x[0, 3] = 2.0**120
+    x[1, 40] = -3.0e38
+    q = f8.mxfp8().quantize(x, "input", 1)
+    data, scales = mx_reference(x)
+    assert torch.equal(q.scale, scales)
+    assert torch.equal(q.data.view(torch.uint8), data.view(torch.uint8))
+
+
 def test_mxfp8_scales_fit_e8m0_and_a_non_finite_block_comes_out_nan() -> None:
     x = matrix(2, 64, seed=3)
     x[1, 40] = math.inf
@@ -209,6 +219,20 @@ def test_delayed_history_invariants(steps: list[list[float]], history_len: int) 
         window = torch.tensor(steps[max(0, index + 1 - history_len) : index + 1], dtype=torch.float32)
         expected = torch.tensor([E4M3_MAX, E4M3_MAX, E5M2_MAX]) / window.amax(dim=0)
         assert torch.equal(state.scale, expected)
+
+
+def test_record_keeps_the_slots_larger_amax_and_drops_a_non_finite_one() -> None:
+    state = f8.delayed(4).init().record(torch.tensor([4.0, 1.0, 2.0])).record(torch.tensor([1.0, 3.0, math.inf]))
+    assert state.amax_history[0].tolist() == [4.0, 3.0, 2.0]
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_a_zero_or_non_finite_amax_keeps_the_scale_the_state_had(algo: str) -> None:
+    state = f8.delayed(1, algo).init().update(torch.tensor([2.0, 4.0, 8.0]))
+    kept = state.scale.clone()
+    assert not torch.equal(kept, torch.ones(3))
+    assert torch.equal(state.update(torch.tensor([0.0, math.nan, math.inf])).scale, kept)
+    assert torch.equal(f8.delayed(4, algo).init().update(torch.zeros(3)).scale, torch.ones(3))
 
 
 def test_delayed_scale_saturates_at_float32_max_for_a_tiny_amax() -> None:

@@ -139,6 +139,17 @@ def test_a_model_with_attention_takes_a_class_key_and_runs_its_linear_layers_in_
     assert out.shape == (2, 8, 32) and not torch.equal(out, model(x))
 
 
+class DoubledLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+def test_a_linear_subclass_with_a_forward_of_its_own_is_refused_by_name() -> None:
+    model = nn.Sequential(DoubledLinear(32, 16))
+    with pytest.raises(TypeError, match=r"matched '0', a DoubledLinear with a forward of its own"):
+        f8.fp8_modules(lambda x: model(x), model, {nn.Linear: f8.tensorwise()})
+
+
 def test_delayed_and_current_scaling_mix_in_one_model() -> None:
     model, x = two_layers(), torch.randn(16, 32)
     recipes = {"0": f8.delayed(4), "2": f8.rowwise()}

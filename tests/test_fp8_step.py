@@ -198,6 +198,22 @@ def test_with_accumulation_a_window_records_its_largest_amaxes_and_advances_once
     assert_trees_bitwise_equal(skipped.fp8, end.fp8)
 
 
+def test_a_window_keeps_its_first_micro_batchs_amax_when_it_is_the_largest() -> None:
+    step, state, _ = setup(mlp(), fmp.DynamicLossScale.create(), accumulation_steps=2)
+    (x1, y1), (x2, y2) = batch(1), batch(2)
+    x1 = 3 * x1
+    middle, _ = step(state, x1, y1)
+    end, info = step(middle, x2, y2)
+    assert bool(info.applied) and end.fp8["0"].amax_history[-1, 0] == x1.abs().max()
+
+
+def test_a_float32_policy_without_op_rules_threads_the_states() -> None:
+    step, state, _ = setup(mlp(), fmp.DynamicLossScale.create())
+    whole_f32 = fmp.get_policy("params=float32,compute=float32,output=float32,rules=none")
+    new, info = step(state, *batch(), policy=whole_f32)
+    assert bool(info.applied) and not torch.equal(new.fp8["0"].scale, state.fp8["0"].scale)
+
+
 def test_a_reduce_grads_hook_gets_the_amaxes_and_must_give_them_back() -> None:
     step, state, _ = setup(mlp(), fmp.DynamicLossScale.create())
     seen = []
@@ -235,3 +251,8 @@ def test_what_the_step_does_not_thread_yet_is_refused_by_name() -> None:
     whole = fmp.get_policy("params=float32,compute=float16,output=float32,rules=none")
     with pytest.raises(ValueError, match=r"casts params whole to torch.float16 \(rules=None\)"):
         step(state, *batch(), policy=whole)
+    half = fmp.get_policy("params=bfloat16,compute=bfloat16,output=float32")
+    optimizer = fmp.optim.adamw(1e-2)
+    bf16_state = fmp.TrainState.create(half.cast_to_param(state.params), optimizer, state.scaler, fp8=state.fp8)
+    with pytest.raises(ValueError, match=r"with torch.bfloat16 params \(the scales are float32\)"):
+        step(bf16_state, *batch(), policy=half, optimizer=optimizer)
