@@ -225,9 +225,9 @@ def fp8_linear(
     """`torch.nn.functional.linear` with its forward and both backward matmuls in FP8, per `recipe`.
 
     Differentiable by autograd and `torch.func` (grad, vmap), and traced whole by
-    `torch.compile(fullgraph=True)`. The output and the input's gradient take `x`'s dtype (the
-    compute dtype under autocast), the weight's gradient the weight's; the bias is added in `x`'s
-    dtype outside FP8.
+    `torch.compile(fullgraph=True)`. Under autocast `x` is cast to autocast's dtype first, as an
+    `nn.Linear`'s input is; the output and the input's gradient take `x`'s dtype, the weight's
+    gradient the weight's; the bias is added in `x`'s dtype outside FP8.
 
     Args:
         x: (..., in_features).
@@ -246,9 +246,11 @@ def fp8_linear(
         (..., out_features) in `x`'s dtype.
 
     Raises:
-        TypeError: If `recipe` is not an FP8 recipe, or `scales` is missing for a delayed one
-            (or given to another).
-        ValueError: If a dim is not a multiple of the recipe's block.
+        TypeError: If `recipe` is not an FP8 recipe, `x`, `weight` or `bias` is not a real
+            floating-point tensor, or `scales` is missing for a delayed recipe (or it or
+            `loss_scale` is given to another).
+        ValueError: If the shapes do not match, `scales` or `loss_scale` has the wrong shape or
+            dtype, or the features or tokens are not multiples of the recipe's block.
     """
     _check_arguments(x, weight, bias, recipe, scales, loss_scale)
     if scales is not None and loss_scale is None:

@@ -141,13 +141,13 @@ def _fp8_forward(
 
 
 def _check_scales(scales: Any, plan: Plan) -> Fp8Scales:
-    missing = [name for name, _, recipe in plan if isinstance(recipe, DelayedScaling)]
     if not isinstance(scales, Fp8Scales):
         raise TypeError(
             f"this function runs layers on a delayed FP8 recipe, so it takes fmp.fp8.Fp8Scales after the params, "
             f"as fmp.train_step passes them from state.fp8; got {type(scales).__name__}"
         )
-    missing = [name for name in missing if not isinstance(scales.scales, dict) or name not in scales.scales]
+    delayed = [name for name, _, recipe in plan if isinstance(recipe, DelayedScaling)]
+    missing = [name for name in delayed if not isinstance(scales.scales, dict) or name not in scales.scales]
     if missing:
         raise KeyError(
             f"state.fp8 holds no state for the delayed-scaling layers {missing}: make it with "
@@ -161,11 +161,11 @@ def fp8_modules(fn: Callable[..., R], model: nn.Module, recipes: Mapping[Any, Re
 
     Keys are module classes (matched with isinstance: `nn.Linear`) or fnmatch patterns over
     `model.named_modules()` names ("blocks.*.mlp.*"); a layer matched by several keys takes the
-    first. Matched layers must be `nn.Linear`. Their forward runs `fp8_linear(x, weight, bias,
-    recipe=...)` (forward and both backward matmuls in FP8) on the parameters in place when it
-    runs, so gradients reach the step's params as usual; outputs take the input's dtype (the compute
-    dtype under the step's policy). Nothing outlives the call. Works under `torch.func.grad`,
-    `vmap`, `fmp.train_step` and `torch.compile(fullgraph=True)`.
+    first. Matched layers must be `nn.Linear` (or a subclass that keeps its forward). Their forward
+    runs `fp8_linear(x, weight, bias, recipe=...)` (forward and both backward matmuls in FP8) on
+    the parameters in place when it runs, so gradients reach the step's params as usual; outputs
+    take the input's dtype, or autocast's under autocast. Nothing outlives the call. Works under
+    `torch.func.grad`, `vmap`, `fmp.train_step` and `torch.compile(fullgraph=True)`.
 
     With a delayed recipe (`delayed()`) among them, the returned function takes an `Fp8Scales`
     after the params, `fn'(params, fp8_scales, *rest)` calling `fn(params, *rest)`: give the
