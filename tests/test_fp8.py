@@ -122,20 +122,19 @@ def mx_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return data, scales
 
 
-def test_mxfp8_matches_the_spec_bit_for_bit() -> None:
+# Blocks where the spec's exponent arithmetic has its edges: a zero block (the smallest exponent),
+# an exact power of two as a block's amax, and amaxes at the top of float32's range.
+MX_EDGES = {
+    "zero and power of two": [((0, slice(0, 32)), 0.0), ((1, 5), 2.0**7)],
+    "float32 top": [((0, 3), 2.0**120), ((1, 40), -3.0e38)],
+}
+
+
+@pytest.mark.parametrize("edges", list(MX_EDGES.values()), ids=list(MX_EDGES))
+def test_mxfp8_matches_the_spec_bit_for_bit(edges: list[tuple[Any, float]]) -> None:
     x = matrix(4, 128, seed=2, spread=20.0)
-    x[0, :32] = 0.0  # a zero block: the smallest exponent
-    x[1, 5] = 2.0**7  # an exact power of two as a block's amax
-    q = f8.mxfp8().quantize(x, "input", 1)
-    data, scales = mx_reference(x)
-    assert torch.equal(q.scale, scales)
-    assert torch.equal(q.data.view(torch.uint8), data.view(torch.uint8))
-
-
-def test_mxfp8_follows_the_spec_for_blocks_at_the_top_of_float32s_range() -> None:
-    x = matrix(2, 64, seed=2)
-    x[0, 3] = 2.0**120
-    x[1, 40] = -3.0e38
+    for where, value in edges:
+        x[where] = value
     q = f8.mxfp8().quantize(x, "input", 1)
     data, scales = mx_reference(x)
     assert torch.equal(q.scale, scales)

@@ -159,15 +159,12 @@ def _backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
     return grad_x, grad_w, grad_scales, None, None
 
 
-def _apply(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scales: torch.Tensor | None,
-    loss_scale: torch.Tensor | None,
-    recipe: Recipe,
-) -> torch.Tensor:
-    # A function of its own, not the bound `apply`, which Dynamo cannot call through a wrapper.
-    return _Fp8Linear.apply(x, weight, scales, loss_scale, recipe)  # type: ignore[no-any-return,no-untyped-call]
+def _apply(*args: Any) -> torch.Tensor:
+    """`_Fp8Linear.apply(x, weight, scales, loss_scale, recipe)`.
+
+    A function of its own, not the bound `apply`, which Dynamo cannot call through a wrapper.
+    """
+    return _Fp8Linear.apply(*args)  # type: ignore[no-any-return,no-untyped-call]
 
 
 def _check_arguments(x: Any, weight: Any, bias: Any, recipe: Any, scales: Any, loss_scale: Any) -> None:
