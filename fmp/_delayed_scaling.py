@@ -106,14 +106,17 @@ class DelayedScalingState:
                 f"amaxes must be a tensor of shape ({len(ROLES)},) (input, weight, grad_output), got {got}"
             )
         amaxes = amaxes.detach().float()
-        amaxes = torch.where(torch.isfinite(amaxes), amaxes, torch.zeros_like(amaxes))
+        amaxes = torch.where(torch.isfinite(amaxes), amaxes, 0.0)
         slot = torch.maximum(self.amax_history[0], amaxes)
         return replace(self, amax_history=torch.cat([slot[None], self.amax_history[1:]]))
 
     def advance(self) -> DelayedScalingState:
         """The state for the next step: scales from the history (row 0 holding this step's amaxes), rolled."""
         amax = self.amax_history.amax(dim=0) if self.amax_compute == "max" else self.amax_history[0]
-        maxima = torch.tensor([max_finite(format_dtype(self.format, r)) for r in ROLES], device=amax.device)
+        # Filled on the device: a tensor built from a list would be copied from the host every step.
+        maxima = torch.cat(
+            [torch.full_like(amax[i : i + 1], max_finite(format_dtype(self.format, r))) for i, r in enumerate(ROLES)]
+        )
         scale = maxima / amax / 2.0**self.margin
         scale = torch.where(torch.isinf(scale), torch.finfo(torch.float32).max, scale)
         scale = torch.where(amax > 0, scale, self.scale)

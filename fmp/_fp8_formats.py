@@ -59,12 +59,9 @@ def max_finite(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
-def amax(x: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch.Tensor:
-    """The largest magnitude of `x` (over `dim`, kept as size-1 dims), in float32; NaN if any element is NaN."""
-    magnitudes = x.detach().abs().float()
-    if dim is None:
-        return magnitudes.amax()
-    return magnitudes.amax(dim=dim, keepdim=True)
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude of `x`, in float32 (0-dim); NaN if any element is NaN."""
+    return x.detach().abs().float().amax()
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -21,8 +21,8 @@ import fmp._pytree as pytree
 from fmp._delayed_scaling import Fp8Scales
 from fmp._delayed_scaling import is_delayed_state
 from fmp._grad import Gradients
-from fmp._loss_scale import NoOpLossScale
 from fmp._policy import Policy
+from fmp._scaler import loss_scales
 from fmp._tree import select_tree
 
 __all__ = [
@@ -86,8 +86,7 @@ def with_fp8_scales(loss_fn: Callable[..., Any], params: Any, fp8: Any, scaler: 
         `(fn, (params, scales))`: `fn((params, scales), *rest)` calls `loss_fn`.
     """
     scales = pytree.tree_map(lambda s: s.scale, fp8, is_leaf=is_delayed_state)
-    device = pytree.tree_leaves(scales)[0].device
-    loss_scale = torch.ones((), device=device) if isinstance(scaler, NoOpLossScale) else scaler.loss_scale
+    loss_scale = loss_scales(scaler, pytree.tree_leaves(scales)[0].device)
 
     def with_scales(params_and_scales: tuple[Any, Any], *rest: Any) -> Any:
         params, scales = params_and_scales

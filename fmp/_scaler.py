@@ -34,6 +34,7 @@ from fmp._donation import writable
 from fmp._donation import writes_in_place
 from fmp._loss_scale import DynamicLossScale
 from fmp._loss_scale import LossScale
+from fmp._loss_scale import NoOpLossScale
 from fmp._loss_scale import StaticLossScale
 from fmp._loss_scale import inverse_scale
 from fmp._loss_scale import unscale_in_place
@@ -51,6 +52,7 @@ __all__ = [
     "adjust_each",
     "check_unscale_arguments",
     "compiled_unscale_and_adjust",
+    "loss_scales",
     "owned_all_finite",
     "per_loss",
     "unscale",
@@ -133,6 +135,15 @@ def owned_all_finite(grads: Any) -> torch.Tensor:
     if leaves and takes_foreach(leaves, leaves[0].device):
         return _finite(leaves)
     return all_finite(grads)
+
+
+def loss_scales(scaler: Any, device: torch.device) -> Any:
+    """Each scaler's scale, on `device` (a NoOpLossScale holds no tensor to place: 1 there); a tuple for a tuple."""
+
+    def scale_of(s: LossScale) -> torch.Tensor:
+        return torch.ones((), device=device) if isinstance(s, NoOpLossScale) else s.loss_scale
+
+    return tuple(scale_of(s) for s in scaler) if isinstance(scaler, tuple) else scale_of(scaler)
 
 
 def per_loss(tree: Any) -> tuple[Any, ...]:

@@ -11,9 +11,9 @@ import torch
 import fmp._pytree as pytree
 from fmp._checks import check_int
 from fmp._loss_scale import DynamicLossScale
+from fmp._scaler import loss_scales
 from fmp._scaler import per_loss
 from fmp._state import TrainState
-from fmp._step import loss_scales
 
 __all__ = ["LossScaleStalledError", "raise_if_stalled"]
 

@@ -37,7 +37,6 @@ from fmp._grad import ScalerTree
 from fmp._grad import mixed_precision_grad
 from fmp._loss_scale import DynamicLossScale
 from fmp._loss_scale import LossScale
-from fmp._loss_scale import NoOpLossScale
 from fmp._loss_scale import scale_in_range
 from fmp._model_state import has_model_state
 from fmp._model_state import returning_model_state
@@ -46,6 +45,7 @@ from fmp._norm import global_norm
 from fmp._optimizer import Optimizer
 from fmp._policy import Policy
 from fmp._scaler import adjust_each
+from fmp._scaler import loss_scales
 from fmp._scaler import per_loss
 from fmp._state import StepCounts
 from fmp._state import TrainState
@@ -57,7 +57,7 @@ from fmp._tree import check_finite_flag
 from fmp._tree import select_tree
 from fmp._tree import tree_accelerator_device
 
-__all__ = ["StepInfo", "loss_scales", "mixed_precision_step", "train_step"]
+__all__ = ["StepInfo", "mixed_precision_step", "train_step"]
 
 Params = TypeVar("Params")
 
@@ -125,15 +125,6 @@ def _with_scales_in_range(
     grads_finite = finite[0] if one_flag else gradients.grads_finite & all_in_range  # one flag for both: one op
     finite_per_loss = finite if isinstance(scaler, tuple) else finite[0]
     return gradients._replace(grads_finite=grads_finite, finite_per_loss=finite_per_loss), ~all_in_range, in_range
-
-
-def loss_scales(scaler: ScalerTree, device: torch.device) -> Any:
-    """The scales for `StepInfo`, on the step's device (a NoOpLossScale holds no tensor to place it)."""
-
-    def scale_of(s: LossScale) -> torch.Tensor:
-        return torch.ones((), device=device) if isinstance(s, NoOpLossScale) else s.loss_scale
-
-    return tuple(scale_of(s) for s in scaler) if isinstance(scaler, tuple) else scale_of(scaler)
 
 
 def _check_finite_per_loss(finite_per_loss: Any, scaler: Any) -> None:

@@ -45,10 +45,18 @@ from fmp._policy import Policy
 from fmp._tree import cast_floating
 from fmp.autocast._transform import AutocastMode
 
-__all__ = ["PolicyKey", "module_policies", "patched_forwards", "patched_modules"]
+__all__ = [
+    "PolicyKey",
+    "check_key",
+    "matched_modules",
+    "module_policies",
+    "patched_forwards",
+    "patched_modules",
+]
 
 P = ParamSpec("P")
 R = TypeVar("R")
+T = TypeVar("T")
 
 PolicyKey = type[nn.Module] | str
 """A module class (matched with isinstance) or an fnmatch pattern over `named_modules()` names."""
@@ -69,14 +77,19 @@ def _shown(items: list[str]) -> str:
     return ", ".join(repr(item) for item in items[:8]) + (", ..." if len(items) > 8 else "")
 
 
-def _check_key(key: Any, named: list[tuple[str, nn.Module]]) -> None:
+def check_key(key: Any, named: list[tuple[str, nn.Module]], what: str, *, class_must_match: bool = True) -> None:
+    """Raises unless `key` is a name pattern that names a module of `named` or an nn.Module subclass.
+
+    With `class_must_match`, a class must also match one of `named`'s modules. `what` names the
+    mapping's values in the message ("policy").
+    """
     if isinstance(key, str):
         if not any(fnmatch.fnmatchcase(name, key) for name, _ in named):
             names = [name for name, _ in named]
             raise ValueError(f"module name pattern {key!r} matches no module of the model; names: {_shown(names)}")
     elif not (isinstance(key, type) and issubclass(key, nn.Module)):
-        raise TypeError(f"policy key {key!r} is neither an nn.Module subclass nor a name pattern (str)")
-    elif not any(isinstance(module, key) for _, module in named):
+        raise TypeError(f"{what} key {key!r} is neither an nn.Module subclass nor a name pattern (str)")
+    elif class_must_match and not any(isinstance(module, key) for _, module in named):
         classes = list(dict.fromkeys(type(module).__name__ for _, module in named))
         raise ValueError(f"module class {key.__name__} matches no module of the model; classes: {_shown(classes)}")
 
@@ -93,17 +106,28 @@ def _check_policies(model: Any, policies: Any) -> None:
                 f"the policy for {key!r} must be an fmp.Policy (e.g. fmp.get_policy('c=f32')), "
                 f"got {type(policy).__name__}"
             )
-        _check_key(key, named)
+        check_key(key, named, "policy")
 
 
-def _policy_for(names: list[str], module: nn.Module, policies: Mapping[Any, Policy]) -> Policy | None:
-    for key, policy in policies.items():
-        if isinstance(key, str):
-            if any(fnmatch.fnmatchcase(name, key) for name in names):
-                return policy
-        elif isinstance(module, key):
-            return policy
-    return None
+def matched_modules(model: nn.Module, mapping: Mapping[Any, T]) -> list[tuple[str, nn.Module, T]]:
+    """Each module of `model` a key matches, under its first name, with the first matching key's value.
+
+    Keys are module classes (isinstance) or fnmatch patterns over every name a module has in
+    `model.named_modules(remove_duplicate=False)`, so a shared submodule matches by any of its names.
+    """
+    aliases: dict[int, tuple[nn.Module, list[str]]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        aliases.setdefault(id(module), (module, []))[1].append(name)
+    matched = []
+    for module, names in aliases.values():
+        for key, value in mapping.items():
+            if isinstance(key, str) and any(fnmatch.fnmatchcase(name, key) for name in names):
+                matched.append((names[0], module, value))
+                break
+            if isinstance(key, type) and isinstance(module, key):
+                matched.append((names[0], module, value))
+                break
+    return matched
 
 
 def _owned(module: nn.Module, matched: set[int]) -> tuple[tuple[str, nn.Module], ...]:
@@ -119,15 +143,7 @@ def _owned(module: nn.Module, matched: set[int]) -> tuple[tuple[str, nn.Module],
 
 
 def _plan(model: nn.Module, policies: Mapping[Any, Policy]) -> tuple[_Match, ...]:
-    # Every name of each module, so that a shared submodule is matched by any of its names.
-    aliases: dict[int, tuple[nn.Module, list[str]]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        aliases.setdefault(id(module), (module, []))[1].append(name)
-    chosen = [
-        (names[0], module, policy)
-        for module, names in aliases.values()
-        if (policy := _policy_for(names, module, policies)) is not None
-    ]
+    chosen = matched_modules(model, policies)
     matched = {id(module) for _, module, _ in chosen}
     return tuple(_Match(name, module, policy, _owned(module, matched)) for name, module, policy in chosen)
 

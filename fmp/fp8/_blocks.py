@@ -16,7 +16,7 @@ import torch
 from fmp._fp8_formats import max_finite
 from fmp._fp8_formats import quantize
 
-__all__ = ["Quantized", "check_blocks", "quantize_blocks"]
+__all__ = ["Quantized", "check_blocks", "max_over_amax", "power_of_2_below", "quantize_blocks"]
 
 ScaleOf = Callable[[torch.Tensor, torch.dtype], torch.Tensor]
 

@@ -253,7 +253,7 @@ def fp8_linear(
     if scales is not None and loss_scale is None:
         loss_scale = torch.ones((), dtype=torch.float32, device=scales.device)
     device = x.device.type
-    if torch.is_autocast_enabled(device) and x.is_floating_point() and x.dtype != torch.float64:
+    if torch.is_autocast_enabled(device) and x.dtype != torch.float64:  # x is floating (checked above)
         # As an nn.Linear under autocast, and as torchao's Float8Linear: the input and the output
         # in the autocast dtype (the weight is quantized from its own dtype).
         x = x.to(torch.get_autocast_dtype(device))

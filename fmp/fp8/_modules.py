@@ -15,7 +15,6 @@ transformed function after the params, from the states of `TrainState.fp8`
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -30,6 +29,8 @@ from fmp._delayed_scaling import DelayedScaling
 from fmp._delayed_scaling import DelayedScalingState
 from fmp._delayed_scaling import Fp8Scales
 from fmp._fp8_step import TAKES_FP8_SCALES
+from fmp.autocast._module_policy import check_key
+from fmp.autocast._module_policy import matched_modules
 from fmp.autocast._module_policy import patched_forwards
 from fmp.fp8._linear import Recipe
 from fmp.fp8._linear import fp8_linear
@@ -41,15 +42,6 @@ R = TypeVar("R")
 Plan = list[tuple[str, nn.Linear, Recipe]]
 
 
-def _recipe_for(names: list[str], module: nn.Module, recipes: Mapping[Any, Recipe]) -> Recipe | None:
-    for key, recipe in recipes.items():
-        if isinstance(key, str) and any(fnmatch.fnmatchcase(name, key) for name in names):
-            return recipe
-        if isinstance(key, type) and isinstance(module, key):
-            return recipe
-    return None
-
-
 def _check(model: Any, recipes: Any, caller: str) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"{caller} needs an nn.Module, got {type(model).__name__}")
@@ -57,39 +49,30 @@ def _check(model: Any, recipes: Any, caller: str) -> None:
         raise TypeError(
             f"recipes must be a non-empty mapping of module class or name pattern to recipe, got {recipes!r}"
         )
-    names = [name for name, _ in model.named_modules(remove_duplicate=False)]
+    named = list(model.named_modules(remove_duplicate=False))
     for key, recipe in recipes.items():
         if not isinstance(recipe, Fp8Recipe | DelayedScaling):
             raise TypeError(
                 f"the recipe for {key!r} must be an fmp.fp8 recipe (tensorwise(), rowwise(), mxfp8(), blockwise() "
                 f"or delayed()), got {type(recipe).__name__}"
             )
-        if isinstance(key, str):
-            if not any(fnmatch.fnmatchcase(name, key) for name in names):
-                raise ValueError(f"module name pattern {key!r} matches no module of the model")
-        elif not (isinstance(key, type) and issubclass(key, nn.Module)):
-            raise TypeError(f"recipe key {key!r} is neither an nn.Module subclass nor a name pattern (str)")
+        # A class that matches no linear layer is named below, with the others, as matching no nn.Linear.
+        check_key(key, named, "recipe", class_must_match=False)
 
 
 def _plan(model: nn.Module, recipes: Mapping[Any, Recipe], caller: str) -> Plan:
     """The matched layers, each under the first of its names, with its recipe; validated."""
     _check(model, recipes, caller)
-    aliases: dict[int, tuple[nn.Module, list[str]]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        aliases.setdefault(id(module), (module, []))[1].append(name)
     plan: Plan = []
-    for module, names in aliases.values():
-        recipe = _recipe_for(names, module, recipes)
-        if recipe is None:
-            continue
+    for name, module, recipe in matched_modules(model, recipes):
         # Subclasses that keep nn.Linear's forward run it too (nn.MultiheadAttention's out_proj, whose
         # parent reads its weight directly, so that FP8 does not apply there, as with module_policies).
         if not (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward):
             raise TypeError(
-                f"{caller} matched {names[0]!r}, a {type(module).__name__} with a forward of its own: only "
+                f"{caller} matched {name!r}, a {type(module).__name__} with a forward of its own: only "
                 f"nn.Linear layers run in FP8; name the linear layers with patterns that leave it out"
             )
-        plan.append((names[0], module, recipe))
+        plan.append((name, module, recipe))
     if not plan:
         raise ValueError(f"{caller}: the keys match no nn.Linear of the model")
     return plan

@@ -94,7 +94,7 @@ def _mx_scale(amaxes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     exponent = ((amaxes.view(torch.int32) >> 23) & 0xFF) - _F32_EXPONENT_BIAS
     shared = (exponent - emax).clamp(_E8M0_MIN_EXPONENT, _E8M0_MAX_EXPONENT)
     scale = torch.exp2(-shared.float())
-    return torch.where(torch.isfinite(amaxes), scale, torch.full_like(scale, float("nan")))
+    return torch.where(torch.isfinite(amaxes), scale, float("nan"))
 
 
 def tensorwise(format: str = "hybrid", *, power_of_2: bool = False) -> Fp8Recipe:
