@@ -188,8 +188,9 @@ class Fp8Scales(NamedTuple):
     Attributes:
         scales: `TrainState.fp8`'s structure with each `DelayedScalingState` replaced by its
             `scale`: the tensors the step differentiates, whose gradients are the amaxes.
-        loss_scale: The step's loss scale (1 without loss scaling): the output gradient reaches
-            the FP8 cast multiplied by it, so the cast divides its scale by it.
+        loss_scale: The loss scale of the pass (1 without loss scaling; with several losses,
+            the scale of the loss being differentiated): the output gradient reaches the FP8
+            cast multiplied by it, so the cast divides its scale by it.
     """
 
     scales: Any

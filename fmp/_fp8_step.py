@@ -7,7 +7,9 @@ step's amaxes (the layers' `fp8_linear` returns them so), which the step's unsca
 unscaled gradient's and its finite check covers. The optimizer sees the params' gradients alone;
 each state records its amaxes (`DelayedScalingState.update`), and a skipped step keeps the states
 as they were, as it keeps the params. With gradient accumulation each micro-batch records its
-amaxes and the window's step advances the states once, over their maximum.
+amaxes and the window's step advances the states once, over their maximum. With several losses
+each loss's pass quantizes by its own loss scale, and the states record the passes' largest amaxes
+(`fmp._grad.differentiate`).
 """
 
 from __future__ import annotations
@@ -20,9 +22,7 @@ import torch
 import fmp._pytree as pytree
 from fmp._delayed_scaling import Fp8Scales
 from fmp._delayed_scaling import is_delayed_state
-from fmp._grad import Gradients
 from fmp._policy import Policy
-from fmp._scaler import loss_scales
 from fmp._tree import select_tree
 
 __all__ = [
@@ -31,7 +31,6 @@ __all__ = [
     "check_fp8_step",
     "check_reduced_amaxes",
     "has_fp8_states",
-    "split_fp8_gradients",
     "with_fp8_scales",
 ]
 
@@ -44,8 +43,8 @@ def has_fp8_states(fp8: Any) -> bool:
     return bool(pytree.tree_leaves(fp8))
 
 
-def check_fp8_step(loss_fn: Callable[..., Any], has_states: bool, scaler: Any, policy: Policy) -> None:
-    """Raises where the loss function and `TrainState.fp8` disagree, or the step cannot thread the states yet."""
+def check_fp8_step(loss_fn: Callable[..., Any], has_states: bool, policy: Policy) -> None:
+    """Raises where the loss function and `TrainState.fp8` disagree, or the policy would cast the scales."""
     takes_scales = bool(getattr(loss_fn, TAKES_FP8_SCALES, False))
     if not has_states:
         if takes_scales:
@@ -59,46 +58,33 @@ def check_fp8_step(loss_fn: Callable[..., Any], has_states: bool, scaler: Any, p
             "state.fp8 holds delayed-scaling states but loss_fn does not take them: transform it with "
             "fmp.fp8.fp8_modules(loss_fn, model, recipes), the recipes state.fp8 was made from"
         )
-    unsupported = [
-        (isinstance(scaler, tuple), "several losses"),
-        (policy.param_dtype != torch.float32, f"{policy.param_dtype} params (the scales are float32)"),
-        (
-            not policy.casts_by_op and policy.compute_dtype != torch.float32,
-            f"a policy that casts params whole to {policy.compute_dtype} (rules=None), which would cast the "
-            f"float32 scales too: use the op rules (the default)",
-        ),
-    ]
-    for refused, what in unsupported:
-        if refused:
-            raise ValueError(f"train_step does not yet thread delayed FP8 states (state.fp8) with {what}")
+    if not policy.casts_by_op and policy.compute_dtype != torch.float32:
+        raise ValueError(
+            f"train_step cannot thread delayed FP8 states (state.fp8) with a policy that casts params whole to "
+            f"{policy.compute_dtype} (rules=None): it would cast the float32 scales too; use the op rules (the default)"
+        )
 
 
-def with_fp8_scales(loss_fn: Callable[..., Any], params: Any, fp8: Any, scaler: Any) -> tuple[Callable[..., Any], Any]:
+def with_fp8_scales(loss_fn: Callable[..., Any], params: Any, fp8: Any) -> tuple[Callable[..., Any], Any]:
     """`loss_fn` over `(params, scales)`, handing it `Fp8Scales` after the params; and that pair.
 
     Args:
         loss_fn: Takes `(params, Fp8Scales, *rest)`.
         params: The params.
         fp8: `TrainState.fp8`.
-        scaler: The step's one loss scale.
 
     Returns:
-        `(fn, (params, scales))`: `fn((params, scales), *rest)` calls `loss_fn`.
+        `(fn, (params, scales))`: `fn((params, scales), *rest, loss_scale)` calls `loss_fn`, as
+        `differentiate` with `fp8_scales` calls it, with each loss's pass's scale.
     """
     scales = pytree.tree_map(lambda s: s.scale, fp8, is_leaf=is_delayed_state)
-    loss_scale = loss_scales(scaler, pytree.tree_leaves(scales)[0].device)
 
     def with_scales(params_and_scales: tuple[Any, Any], *rest: Any) -> Any:
         params, scales = params_and_scales
-        return loss_fn(params, Fp8Scales(scales, loss_scale), *rest)
+        *args, loss_scale = rest
+        return loss_fn(params, Fp8Scales(scales, loss_scale), *args)
 
     return with_scales, (params, scales)
-
-
-def split_fp8_gradients(gradients: Gradients) -> Gradients:
-    """The params' gradients in `grads`, the scales' (the amaxes) in `amaxes`, from a step over `(params, scales)`."""
-    grads, amaxes = gradients.grads
-    return gradients._replace(grads=grads, amaxes=amaxes)
 
 
 def check_reduced_amaxes(amaxes: Any, fp8: Any) -> None:

@@ -26,6 +26,7 @@ from fmp._checks import check_callable
 from fmp._loss_scale import LossScale
 from fmp._policy import Policy
 from fmp._scale_checks import check_scaler
+from fmp._scaler import loss_scales
 from fmp._scaler import owned_all_finite
 from fmp._scaler import unscale_and_check
 from fmp._struct import serializable_namedtuple
@@ -38,10 +39,12 @@ from fmp.autocast._transform import autocast
 __all__ = [
     "Gradients",
     "ScalerTree",
+    "check_grad_arguments",
     "check_param_leaves",
     "check_params",
     "check_reads_no_module_parameters",
     "check_scalers",
+    "differentiate",
     "mixed_precision_grad",
     "with_policy",
 ]
@@ -227,6 +230,10 @@ def _tree_sum(trees: list[Any]) -> Any:
     return pytree.tree_map(lambda *xs: functools.reduce(torch.add, xs), *trees)
 
 
+def _tree_max(trees: list[Any]) -> Any:
+    return pytree.tree_map(lambda *xs: functools.reduce(torch.maximum, xs), *trees)
+
+
 def with_policy(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
     """`fn(params, *args)` run as the step runs `loss_fn`, for evaluation with the training numerics.
 
@@ -309,13 +316,39 @@ def mixed_precision_grad(
             reads a module's own parameters outside `params` (a module called as `model(x)`, or
             frozen weights that still require grad), which the step would not update.
     """
+    check_grad_arguments(loss_fn, scaler, policy, has_aux)
+    return differentiate(loss_fn, params, scaler, args, policy=policy, has_aux=has_aux, fp8_scales=False)
+
+
+def check_grad_arguments(loss_fn: Any, scaler: Any, policy: Any, has_aux: Any) -> None:
+    """Raises a TypeError naming the first of `mixed_precision_grad`'s arguments of the wrong type."""
     check_callable("loss_fn", loss_fn)
     check_scalers(scaler)
     check_bool("has_aux", has_aux)
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be an fmp.Policy (e.g. fmp.get_policy('c=bf16')), got {type(policy).__name__}")
+
+
+def differentiate(
+    loss_fn: LossFn,
+    params: Any,
+    scaler: ScalerTree,
+    args: tuple[Any, ...],
+    *,
+    policy: Policy,
+    has_aux: bool,
+    fp8_scales: bool,
+) -> Gradients:
+    """`mixed_precision_grad`'s work, its arguments checked; with `fp8_scales`, over the params and FP8 scales.
+
+    With `fp8_scales`, `params` is `(params, scales)`: the scales (float32, whatever the param
+    dtype) are differentiated beside the params, `loss_fn` takes each pass's loss scale as its
+    last argument (the FP8 layers quantize the output gradient by it), and the scales' gradients,
+    the pass's amaxes, come back in `Gradients.amaxes`, the maximum over the losses' passes.
+    """
     hint = "create it there (its create(..., device=...)), or let TrainState.create move it there"
-    check_on_device(scaler, check_params(params, policy), "scaler", "params", hint)
+    device = check_params(params[0], policy) if fp8_scales else check_params(params, policy)
+    check_on_device(scaler, device, "scaler", "params", hint)
     scalers = scaler if isinstance(scaler, tuple) else (scaler,)
     forward = _forward(loss_fn, policy)
 
@@ -341,13 +374,16 @@ def mixed_precision_grad(
 
         # `args` go in as inputs, not captured: torch.func refuses in-place updates of captured
         # tensors, such as a train-mode BatchNorm's running statistics passed as an argument.
-        return grad_and_aux(scaled_loss_fn, params, *args)
+        if not fp8_scales:
+            return grad_and_aux(scaled_loss_fn, params, *args)
+        scales_device = pytree.tree_leaves(params[1])[0].device
+        return grad_and_aux(scaled_loss_fn, params, *args, loss_scales(scalers[index], scales_device))
 
     if not isinstance(scaler, tuple):
         scaled_grads, (loss, aux), owned = grad_of_loss(0)
         check_reads_no_module_parameters(loss, args)
         grads, grads_finite = unscale_and_check(scaler, scaled_grads, owned)
-        return Gradients(grads, grads_finite, loss, aux, grads_finite)
+        return _split(Gradients(grads, grads_finite, loss, aux, grads_finite), fp8_scales)
     # One forward and backward pass per loss. A shared forward with one vjp per loss would send a
     # zero cotangent through the other losses' backward, where a non-finite local derivative
     # (0 * inf = NaN) would poison this loss's gradients and back its scale off for another's overflow.
@@ -358,11 +394,23 @@ def mixed_precision_grad(
         per_loss.append(unscaled)
         parts_finite.append(finite)
     check_reads_no_module_parameters(loss, args)
-    grads = _tree_sum(per_loss)
+    if fp8_scales:
+        # Each pass quantized its own output gradients: the scale must cover the largest of them.
+        grads = (_tree_sum([g for g, _ in per_loss]), _tree_max([a for _, a in per_loss]))
+    else:
+        grads = _tree_sum(per_loss)
     # The sum is non-finite whenever a part is, and also when finite parts overflow on adding;
     # then no loss is to blame alone and every scale backs off.
     # With one loss the sum is that loss's gradients; with several, new tensors of the step's own.
     grads_finite = owned_all_finite(grads) if len(per_loss) > 1 else parts_finite[0]
     sum_overflowed = torch.stack(parts_finite).all() & ~grads_finite
     finite_per_loss = tuple(finite & ~sum_overflowed for finite in parts_finite)
-    return Gradients(grads, grads_finite, loss, aux, finite_per_loss)
+    return _split(Gradients(grads, grads_finite, loss, aux, finite_per_loss), fp8_scales)
+
+
+def _split(gradients: Gradients, fp8_scales: bool) -> Gradients:
+    """With FP8 scales differentiated, the params' gradients in `grads` and the scales' (the amaxes) in `amaxes`."""
+    if not fp8_scales:
+        return gradients
+    grads, amaxes = gradients.grads
+    return gradients._replace(grads=grads, amaxes=amaxes)

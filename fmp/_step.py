@@ -29,12 +29,12 @@ from fmp._fp8_step import advance_fp8
 from fmp._fp8_step import check_fp8_step
 from fmp._fp8_step import check_reduced_amaxes
 from fmp._fp8_step import has_fp8_states
-from fmp._fp8_step import split_fp8_gradients
 from fmp._fp8_step import with_fp8_scales
 from fmp._grad import Gradients
 from fmp._grad import LossFn
 from fmp._grad import ScalerTree
-from fmp._grad import mixed_precision_grad
+from fmp._grad import check_grad_arguments
+from fmp._grad import differentiate
 from fmp._loss_scale import DynamicLossScale
 from fmp._loss_scale import LossScale
 from fmp._loss_scale import scale_in_range
@@ -232,23 +232,22 @@ def train_step(
     donated_leaves = check_distinct(state, "state") if donate else []  # checked before anything is written
     params, opt_state, scaler, model_state = state.params, state.opt_state, state.scaler, state.model_state
     fp8 = has_fp8_states(state.fp8)
-    check_fp8_step(loss_fn, fp8, scaler, policy)
+    check_grad_arguments(loss_fn, scaler, policy, has_aux)
+    check_fp8_step(loss_fn, fp8, policy)
     # With FP8 states, the step differentiates (params, scales): the scales' gradients are the amaxes.
-    loss_fn, differentiated = with_fp8_scales(loss_fn, params, state.fp8, scaler) if fp8 else (loss_fn, params)
+    loss_fn, differentiated = with_fp8_scales(loss_fn, params, state.fp8) if fp8 else (loss_fn, params)
     if has_model_state(model_state):
         check_model_state(model_state)
         stateful = returning_model_state(loss_fn, has_aux)
-        gradients = mixed_precision_grad(
-            stateful, differentiated, scaler, model_state, *args, policy=policy, has_aux=True
+        gradients = differentiate(
+            stateful, differentiated, scaler, (model_state, *args), policy=policy, has_aux=True, fp8_scales=fp8
         )
         aux, new_model_state = gradients.aux
         new_model_state = settle_model_state(new_model_state, model_state)
         gradients = gradients._replace(aux=aux)
     else:
-        gradients = mixed_precision_grad(loss_fn, differentiated, scaler, *args, policy=policy, has_aux=has_aux)
+        gradients = differentiate(loss_fn, differentiated, scaler, args, policy=policy, has_aux=has_aux, fp8_scales=fp8)
         new_model_state = model_state
-    if fp8:
-        gradients = split_fp8_gradients(gradients)
     state.counts.check(gradients.grads_finite.device)  # where the params are (their first accelerator)
     if reduce_grads is not None:
         gradients = reduce_grads(gradients)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 from pathlib import Path
 from typing import Any
@@ -243,16 +242,84 @@ def test_a_huge_loss_scale_does_not_make_a_finite_step_look_overflowed() -> None
     assert new.fp8["0"].amax_history[-1, 0] == torch.finfo(torch.float32).max / 2.0**110
 
 
-def test_what_the_step_does_not_thread_yet_is_refused_by_name() -> None:
+def test_a_policy_that_casts_params_whole_to_16_bits_is_refused_by_name() -> None:
     step, state, _ = setup(mlp(), fmp.DynamicLossScale.create())
-    two = copy.copy(state)._replace(scaler=(state.scaler, state.scaler))
-    with pytest.raises(ValueError, match="with several losses"):
-        step(two, *batch())
     whole = fmp.get_policy("params=float32,compute=float16,output=float32,rules=none")
     with pytest.raises(ValueError, match=r"casts params whole to torch.float16 \(rules=None\)"):
         step(state, *batch(), policy=whole)
-    half = fmp.get_policy("params=bfloat16,compute=bfloat16,output=float32")
+
+
+def two_losses(model: nn.Module) -> Any:
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = torch.func.functional_call(model, params, (x,)).float()
+        return (out - y).square().mean(), 50 * (out - 2 * y).abs().mean()
+
+    return loss_fn
+
+
+def test_several_losses_record_the_largest_output_gradient_amax_of_their_passes() -> None:
+    model = mlp()
+    params, _ = fmp.nn.split(model)
+    fp8_fn = f8.fp8_modules(two_losses(model), model, RECIPES)
     optimizer = fmp.optim.adamw(1e-2)
-    bf16_state = fmp.TrainState.create(half.cast_to_param(state.params), optimizer, state.scaler, fp8=state.fp8)
-    with pytest.raises(ValueError, match=r"with torch.bfloat16 params \(the scales are float32\)"):
-        step(bf16_state, *batch(), policy=half, optimizer=optimizer)
+    fp8 = f8.init_states(model, RECIPES)
+    x, y = batch()
+    results = []
+    # Power-of-two scales, different per loss: exact, so the step is the step without loss scaling.
+    for scalers in [
+        (fmp.NoOpLossScale(), fmp.NoOpLossScale()),
+        (fmp.DynamicLossScale.create(init_scale=2.0**14), fmp.DynamicLossScale.create(init_scale=2.0**3)),
+    ]:
+        state = fmp.TrainState.create(params, optimizer, scalers, fp8=fp8)
+        new, info = fmp.train_step(fp8_fn, state, x, y, policy=BF16, optimizer=optimizer)
+        assert bool(info.applied)
+        results.append((new.params, new.fp8))
+    assert_trees_bitwise_equal(results[0], results[1])
+    # Each loss's pass quantizes its own output gradient: the history keeps the larger amax.
+    scales = {name: s.scale for name, s in fp8.items()}
+    per_loss = [
+        torch.func.grad(lambda s, i=i: fmp.with_policy(fp8_fn, BF16)(params, f8.Fp8Scales(s, torch.ones(())), x, y)[i])(
+            scales
+        )
+        for i in range(2)
+    ]
+    assert not torch.equal(per_loss[0]["0"][2], per_loss[1]["0"][2])
+    for name, state in results[0][1].items():
+        assert torch.equal(state.amax_history[-1], torch.maximum(per_loss[0][name], per_loss[1][name]))
+    assert results[0][1]["0"].amax_history[-1, 0] == x.abs().max()  # the input's, not the sum of two passes'
+
+
+def test_with_several_losses_an_overflow_in_one_skips_the_step_and_keeps_the_states() -> None:
+    model = mlp()
+    params, _ = fmp.nn.split(model)
+    fp8_fn = f8.fp8_modules(two_losses(model), model, RECIPES)
+    optimizer = fmp.optim.adamw(1e-2)
+    scalers = (fmp.DynamicLossScale.create(init_scale=2.0**14), fmp.DynamicLossScale.create(init_scale=2.0**127))
+    state = fmp.TrainState.create(params, optimizer, scalers, fp8=f8.init_states(model, RECIPES))
+    new, info = fmp.train_step(fp8_fn, state, *batch(), policy=BF16, optimizer=optimizer)
+    assert not bool(info.applied)
+    assert_trees_bitwise_equal((new.params, new.opt_state, new.fp8), (state.params, state.opt_state, state.fp8))
+    assert new.scaler[0].loss_scale == 2.0**14 and new.scaler[1].loss_scale == 2.0**126
+
+
+def test_bfloat16_params_thread_float32_scales() -> None:
+    model = mlp()
+    half = fmp.get_policy("params=bfloat16,compute=bfloat16,output=float32")
+    params = half.cast_to_param(fmp.nn.split(model)[0])
+    _, _, loss_fn = setup(model, fmp.NoOpLossScale())
+    optimizer = fmp.optim.adamw(1e-2)
+    state = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create(), fp8=f8.init_states(model, RECIPES))
+    step = functools.partial(fmp.train_step, f8.fp8_modules(loss_fn, model, RECIPES), policy=half, optimizer=optimizer)
+    x, y = batch()
+    new, info = step(state, x, y)
+    assert bool(info.applied)
+    assert all(p.dtype == torch.bfloat16 for p in new.params.values())
+    first = new.fp8["0"]
+    assert first.scale.dtype == torch.float32 and first.amax_history.dtype == torch.float32
+    assert first.amax_history[-1, 0] == x.abs().max()
+    assert first.amax_history[-1, 1] == params["0.weight"].abs().max()
+    assert not torch.equal(first.scale, state.fp8["0"].scale)
+    x[0, 0] = float("nan")
+    skipped, info = step(new, x, y)
+    assert not bool(info.applied)
+    assert_trees_bitwise_equal((skipped.params, skipped.fp8), (new.params, new.fp8))
