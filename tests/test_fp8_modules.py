@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 import zoo
+from conftest import assert_trees_bitwise_equal
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -181,30 +182,59 @@ class RematBlock(nn.Module):
 
 
 class RematModel(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, remat: bool) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.block, self.head = RematBlock(), nn.Linear(32, 16)
+        self.block, self.head, self.remat = RematBlock(), nn.Linear(32, 16), remat
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(fmp.remat.remat(self.block)(x))
+        return self.head(fmp.remat.remat(self.block)(x) if self.remat else self.block(x))
 
 
 @pytest.mark.parametrize("recipe", [f8.tensorwise(), f8.delayed(4)], ids=lambda r: type(r).__name__)
-def test_inside_remat_current_scaling_trains_and_delayed_scaling_is_refused_by_remat(recipe: Any) -> None:
-    model = RematModel()
-    params, _ = fmp.nn.split(model)
+def test_inside_remat_fp8_layers_train_bit_for_bit_as_outside(recipe: Any) -> None:
     recipes = {nn.Linear: recipe}
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
+    results = []
+    for remat in (False, True):
+        model = RematModel(remat)
+        params, _ = fmp.nn.split(model)
+
+        def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, model: nn.Module = model) -> torch.Tensor:
+            return torch.func.functional_call(model, params, (x,)).float().square().mean()
+
+        optimizer = fmp.optim.sgd(0.1)
+        scaler = fmp.DynamicLossScale.create(init_scale=2.0**10)
+        state = fmp.TrainState.create(params, optimizer, scaler, fp8=f8.init_states(model, recipes))
+        step = functools.partial(
+            fmp.train_step, f8.fp8_modules(loss_fn, model, recipes), policy=BF16, optimizer=optimizer
+        )
+        for _ in range(2):
+            state, info = step(state, x)
+            assert bool(info.applied)
+        results.append((state.params, state.fp8))
+    assert_trees_bitwise_equal(results[0], results[1])
+    if isinstance(recipe, f8.DelayedScaling):
+        assert results[1][1]["block.inner"].amax_history[-1, 0] == x.abs().max()
+
+
+class TwiceThroughRemat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(fmp.remat.remat(self.inner)(x))
+
+
+def test_a_delayed_layer_run_by_a_remat_block_and_again_outside_it_is_refused() -> None:
+    model = TwiceThroughRemat()
+    recipes = {nn.Linear: f8.delayed(4)}
+    params, _ = fmp.nn.split(model)
 
     def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        return torch.func.functional_call(model, params, (x,)).float().square().mean()
+        return torch.func.functional_call(model, params, (x,)).float().sum()
 
-    optimizer = fmp.optim.sgd(0.1)
-    state = fmp.TrainState.create(params, optimizer, fmp.NoOpLossScale(), fp8=f8.init_states(model, recipes))
-    step = functools.partial(fmp.train_step, f8.fp8_modules(loss_fn, model, recipes), policy=BF16, optimizer=optimizer)
-    if isinstance(recipe, f8.DelayedScaling):
-        with pytest.raises(RuntimeError, match=r"reads a tensor of shape \(3,\) that is being differentiated"):
-            step(state, torch.randn(16, 32))
-        return
-    new, info = step(state, torch.randn(16, 32))
-    assert bool(info.applied) and not torch.equal(new.params["block.inner.weight"], params["block.inner.weight"])
+    scales = f8.Fp8Scales({"inner": f8.delayed(4).init().scale.requires_grad_()}, torch.ones(()))
+    with pytest.raises(RuntimeError, match=r"the delayed-scaling layer 'inner' ran twice in one call"):
+        f8.fp8_modules(loss_fn, model, recipes)(params, scales, torch.randn(4, 8))

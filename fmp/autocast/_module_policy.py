@@ -21,6 +21,7 @@ parameters cast to the statistics' dtype instead of the compute dtype (see `modu
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import fnmatch
 import functools
@@ -47,6 +48,7 @@ from fmp.autocast._transform import AutocastMode
 
 __all__ = [
     "PolicyKey",
+    "ReadingForward",
     "check_key",
     "matched_modules",
     "module_policies",
@@ -71,6 +73,24 @@ class _Match(NamedTuple):
     policy: Policy
     # Its parameters (relative names) that no nested match owns, each with the module holding it.
     owned: tuple[tuple[str, nn.Module], ...]
+
+
+class ReadingForward(abc.ABC):
+    """A patched forward that reads tensors besides its module's parameters and buffers.
+
+    `fmp.fp8.fp8_modules` patches a layer on a delayed recipe with one: it reads the layer's
+    scales, which the step differentiates. `fmp.remat` cannot let a block read a differentiated
+    tensor it does not take as an argument, so it claims the tensors of each such forward in the
+    block, passes them in, and runs the block with the forwards reading what it passed.
+    """
+
+    @abc.abstractmethod
+    def claim(self) -> tuple[torch.Tensor, ...]:
+        """The tensors this forward reads, the forward's single run taken by the caller that passes them."""
+
+    @abc.abstractmethod
+    def reading(self, tensors: tuple[torch.Tensor, ...]) -> Callable[..., Any]:
+        """The same forward, reading `tensors` (as `claim` returned them, or their replacements) instead."""
 
 
 def _shown(items: list[str]) -> str:

@@ -29,6 +29,7 @@ from fmp._delayed_scaling import DelayedScaling
 from fmp._delayed_scaling import DelayedScalingState
 from fmp._delayed_scaling import Fp8Scales
 from fmp._fp8_step import TAKES_FP8_SCALES
+from fmp.autocast._module_policy import ReadingForward
 from fmp.autocast._module_policy import check_key
 from fmp.autocast._module_policy import matched_modules
 from fmp.autocast._module_policy import patched_forwards
@@ -100,25 +101,46 @@ def init_states(
     return {name: recipe.init(device) for name, _, recipe in plan if isinstance(recipe, DelayedScaling)}
 
 
-def _fp8_forward(
-    name: str, module: nn.Linear, recipe: Recipe, scales: Fp8Scales | None, calls: set[str]
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    def fp8_forward(x: torch.Tensor) -> torch.Tensor:
-        # The parameters in place now: those functional_call swapped in, or the module's own.
-        if not isinstance(recipe, DelayedScaling):
-            return fp8_linear(x, module.weight, module.bias, recipe=recipe)
-        if name in calls:
+class _DelayedForward(ReadingForward):
+    """A delayed-scaling layer's forward: `fp8_linear` with the layer's scales, run once per call."""
+
+    def __init__(self, name: str, module: nn.Linear, recipe: DelayedScaling, scales: Fp8Scales, calls: set[str]):
+        self.name, self.module, self.recipe, self.scales, self.calls = name, module, recipe, scales, calls
+
+    def claim(self) -> tuple[torch.Tensor, ...]:
+        if self.name in self.calls:
             raise RuntimeError(
-                f"fp8_modules: the delayed-scaling layer {name!r} ran twice in one call: its scales' gradient "
+                f"fp8_modules: the delayed-scaling layer {self.name!r} ran twice in one call: its scales' gradient "
                 f"would add the amaxes of both runs, where delayed scaling takes one per step; give a layer "
                 f"that runs several times a current-scaling recipe (tensorwise())"
             )
-        calls.add(name)
+        self.calls.add(self.name)
+        return self.scales.scales[self.name], self.scales.loss_scale
+
+    def reading(self, tensors: tuple[torch.Tensor, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
+        layer_scales, loss_scale = tensors
+
+        def fp8_forward(x: torch.Tensor) -> torch.Tensor:
+            # The parameters in place now: those functional_call swapped in, or the module's own.
+            module, recipe = self.module, self.recipe
+            return fp8_linear(x, module.weight, module.bias, recipe=recipe, scales=layer_scales, loss_scale=loss_scale)
+
+        return fp8_forward
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reading(self.claim())(x)
+
+
+def _fp8_forward(
+    name: str, module: nn.Linear, recipe: Recipe, scales: Fp8Scales | None, calls: set[str]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    if isinstance(recipe, DelayedScaling):
         assert scales is not None  # delayed layers' functions take them (see _check_scales)
-        layer_scales = scales.scales[name]
-        return fp8_linear(
-            x, module.weight, module.bias, recipe=recipe, scales=layer_scales, loss_scale=scales.loss_scale
-        )
+        return _DelayedForward(name, module, recipe, scales, calls)
+
+    def fp8_forward(x: torch.Tensor) -> torch.Tensor:
+        # The parameters in place now: those functional_call swapped in, or the module's own.
+        return fp8_linear(x, module.weight, module.bias, recipe=recipe)
 
     return fp8_forward
 

@@ -28,6 +28,7 @@ from torch.autograd import forward_ad
 from fmp._ambient import AMBIENT
 from fmp._tree import functorch_base
 from fmp._tree import is_inexact_tensor
+from fmp.autocast._module_policy import ReadingForward
 from fmp.remat._call import Call
 from fmp.remat._replay import Ambient
 from fmp.remat._watch import jvp_levels
@@ -99,7 +100,8 @@ def remat(fn: Callable[P, R], *, preserve_rng_state: bool = True) -> Callable[P,
     as an argument (a captured parameter, or a module's weight read beside the one passed in)
     would get no gradient, so reading one raises; wrap an `nn.Module` itself and its current
     parameters and buffers are passed in for you (including the ones
-    `torch.func.functional_call` swapped in). Where `torch.func.jvp` and reverse mode meet
+    `torch.func.functional_call` swapped in), as are the scales its `fmp.fp8.fp8_modules` layers
+    on a delayed recipe read. Where `torch.func.jvp` and reverse mode meet
     (`jvp(grad(f))`, a Hessian-vector product), only arguments carry tangents into the block, so
     reading any captured tensor of the jvp raises too. Updating a differentiated argument in
     place raises, and so does updating a captured tensor (the recompute would update it again).
@@ -181,15 +183,27 @@ def _forward_mode_only(arguments: Any) -> bool:
 
 
 def _remat_module(module: torch.nn.Module, preserve_rng_state: bool) -> Callable[..., Any]:
-    def run_module(state: dict[str, torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return torch.func.functional_call(module, state, args, kwargs)
+    def run_module(
+        state: dict[str, torch.Tensor],
+        reads: dict[str, tuple[torch.Tensor, ...]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        with _reading(module, reads):
+            return torch.func.functional_call(module, state, args, kwargs)
 
     def rematerialized(*args: Any, **kwargs: Any) -> Any:
         if _runs_plain():
             return module(*args, **kwargs)
         # Read per call: under functional_call these are the tensors it swapped in.
         state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-        arguments = (state, args, kwargs)
+        # The tensors patched forwards read (FP8 scales) go in as arguments, as the parameters do.
+        reads = {
+            name: forward.claim()
+            for name, sub in module.named_modules()
+            if isinstance(forward := sub.__dict__.get("forward"), ReadingForward)
+        }
+        arguments = (state, reads, args, kwargs)
         if _forward_mode_only(arguments):
             return module(*args, **kwargs)
         ambient = _ambient(arguments, preserve_rng_state, tuple(module.modules()))
@@ -198,6 +212,19 @@ def _remat_module(module: torch.nn.Module, preserve_rng_state: bool) -> Callable
 
     # The forward's name, docstring and signature (inspect.signature follows __wrapped__).
     return functools.update_wrapper(rematerialized, module.forward, updated=())
+
+
+@contextlib.contextmanager
+def _reading(module: torch.nn.Module, reads: dict[str, tuple[torch.Tensor, ...]]) -> Iterator[None]:
+    """Runs the body with the claimed forwards of `module`'s submodules reading `reads`, put back after."""
+    submodules = dict(module.named_modules())
+    with contextlib.ExitStack() as stack:
+        for name, tensors in reads.items():
+            attrs = submodules[name].__dict__
+            forward = attrs["forward"]
+            stack.callback(attrs.__setitem__, "forward", forward)
+            attrs["forward"] = forward.reading(tensors)
+        yield
 
 
 def _ambient(arguments: Any, rng: bool, modules: tuple[torch.nn.Module, ...]) -> Ambient:
