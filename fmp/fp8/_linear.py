@@ -3,8 +3,9 @@
 Forward, the input and the weight are quantized along the dim they are contracted over and
 multiplied; backward, the output gradient is quantized (E5M2 under "hybrid") and multiplied with
 the weight for the input's gradient and with the input for the weight's. Each operand is
-quantized in the orientation its matmul contracts it, as a rowwise or block scale must be, so the
-backward re-quantizes the saved high-precision input and weight.
+quantized in the orientation its matmul contracts it, as a rowwise or block scale must be, so
+with those the backward re-quantizes the saved high-precision input and weight; a per-tensor
+scale is the same in either orientation, so there the backward reuses the forward's FP8 operands.
 
 A matmul runs as `torch._scaled_mm` where torch has a kernel for it (per-tensor, delayed and rowwise
 scales: emulated on a CPU, FP8 tensor cores on an H100) and otherwise on the dequantized operands
@@ -100,12 +101,34 @@ def _matmul(
 ) -> torch.Tensor:
     """Quantizes `a` (contracted along dim 1) and `b` (along dim 0) per the recipe and multiplies them."""
     (x, x_role), (y, y_role) = a, b
-    qa = _quantize(recipe, x, x_role, 1, scales)
-    qb = _quantize(recipe, y, y_role, 0, scales)
-    return fp8_matmul(qa, qb, out_dtype, native=_runs_native(recipe, qa, qb, out_dtype))
+    return _multiply(
+        recipe, _quantize(recipe, x, x_role, 1, scales), _quantize(recipe, y, y_role, 0, scales), out_dtype
+    )
+
+
+def _multiply(recipe: Recipe, a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+    return fp8_matmul(a, b, out_dtype, native=_runs_native(recipe, a, b, out_dtype))
+
+
+def _per_tensor(recipe: Recipe) -> bool:
+    """Whether one scale covers each operand, so its FP8 values are the same in either orientation."""
+    return isinstance(recipe, DelayedScaling) or recipe.name == "tensorwise"
+
+
+def _transposed(q: Quantized) -> Quantized:
+    return Quantized(q.data.t(), q.scale)  # a per-tensor scale, (1, 1)
 
 
 class _Fp8Linear(torch.autograd.Function):
+    """The FP8 matmul of `fp8_linear`; its extra outputs are what the backward pass needs.
+
+    With one scale per tensor (tensorwise, delayed) the backward multiplies the very FP8 operands
+    the forward made, transposed where its matmul contracts them the other way, and quantizes the
+    output gradient once for both of its matmuls: the same values a re-quantization would give,
+    in half the casts, and the saved input takes one byte an element. Other recipes scale along
+    the contracted dim, so the backward re-quantizes the saved high-precision input and weight.
+    """
+
     generate_vmap_rule = True
 
     @staticmethod
@@ -115,18 +138,28 @@ class _Fp8Linear(torch.autograd.Function):
         scales: torch.Tensor | None,
         loss_scale: torch.Tensor | None,
         recipe: Recipe,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, ...]:
         pair = None if scales is None or loss_scale is None else (scales, loss_scale)
-        return _matmul(recipe, (x, "input"), (weight.t(), "weight"), x.dtype, pair)
+        qx = _quantize(recipe, x, "input", 1, pair)
+        qw = _quantize(recipe, weight.t(), "weight", 0, pair)
+        out = _multiply(recipe, qx, qw, x.dtype)
+        if not _per_tensor(recipe):
+            return (out,)
+        if scales is None:
+            return out, qx.data, qx.scale, qw.data, qw.scale
+        # Delayed scaling's amaxes of the input and weight, for the scales' gradient.
+        return out, qx.data, qx.scale, qw.data, qw.scale, torch.stack([amax(x), amax(weight)])
 
     @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
         x, weight, scales, loss_scale, recipe = inputs
-        ctx.save_for_backward(x, weight, scales, loss_scale)
-        ctx.recipe = recipe
+        ctx.recipe, ctx.dtypes = recipe, (x.dtype, weight.dtype)
+        ctx.mark_non_differentiable(*output[1:])
+        saved = output[1:] if _per_tensor(recipe) else (x, weight)
+        ctx.save_for_backward(*saved, scales, loss_scale)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: Any, grad_output: torch.Tensor, *_: Any) -> tuple[Any, ...]:
         # Autograd runs a backward with the autocast state of the thread that calls it; the
         # matmuls here must see their float32 operands as they are, as in the forward.
         with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
@@ -135,28 +168,43 @@ class _Fp8Linear(torch.autograd.Function):
 
 def _backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
     """`_Fp8Linear`'s backward: the gradients of the input, weight and (delayed scaling) scales."""
-    x, weight, scales, loss_scale = ctx.saved_tensors
-    recipe = ctx.recipe
+    recipe, (x_dtype, weight_dtype) = ctx.recipe, ctx.dtypes
+    *saved, scales, loss_scale = ctx.saved_tensors
     pair = None if scales is None or loss_scale is None else (scales, loss_scale)
-    grad_x = _matmul(recipe, (grad_output, "grad_output"), (weight, "weight"), x.dtype, pair)
-    if getattr(recipe, "high_precision_weight_grad", False):
-        grad_w = (grad_output.t() @ x.to(grad_output.dtype)).to(weight.dtype)
-    else:
-        grad_w = _matmul(recipe, (grad_output.t(), "grad_output"), (x, "input"), weight.dtype, pair)
-    # Delayed scaling: the scales' "gradient" is this step's amaxes (input, weight, output
-    # gradient), which DelayedScalingState.update records: the state comes back out of the
-    # backward pass as a value, as flax's FP8 meta does, with no buffer written. The input's and
-    # the weight's are multiplied by the loss scale, which the step's unscale divides every
-    # gradient by; the output gradient's is of the scaled gradient already.
     grad_scales = None
-    if scales is not None:
-        # A finite amax saturates, so that a huge loss scale does not make a finite step look
-        # overflowed; an inf or NaN one (an activation that overflowed) stays, and skips the step.
-        forward_amaxes = torch.stack([amax(x), amax(weight)])
-        scaled = (forward_amaxes * loss_scale).clamp(max=torch.finfo(torch.float32).max)
-        forward_amaxes = torch.where(torch.isfinite(forward_amaxes), scaled, forward_amaxes)
-        grad_scales = torch.cat([forward_amaxes, amax(grad_output)[None]]).to(scales.dtype)
-    return grad_x, grad_w, grad_scales, None, None
+    if _per_tensor(recipe):
+        x_data, x_scale, wt_data, wt_scale, *forward_amaxes = saved
+        qx, qwt = Quantized(x_data, x_scale), Quantized(wt_data, wt_scale)
+        qg = _quantize(recipe, grad_output, "grad_output", 1, pair)
+        grad_x = _multiply(recipe, qg, _transposed(qwt), x_dtype)
+        grad_w = _multiply(recipe, _transposed(qg), qx, weight_dtype)
+        if scales is not None:
+            grad_scales = _scales_gradient(forward_amaxes[0], grad_output, loss_scale, scales.dtype)
+        return grad_x, grad_w, grad_scales, None, None
+    x, weight = saved
+    grad_x = _matmul(recipe, (grad_output, "grad_output"), (weight, "weight"), x_dtype, pair)
+    if getattr(recipe, "high_precision_weight_grad", False):
+        grad_w = (grad_output.t() @ x.to(grad_output.dtype)).to(weight_dtype)
+    else:
+        grad_w = _matmul(recipe, (grad_output.t(), "grad_output"), (x, "input"), weight_dtype, pair)
+    return grad_x, grad_w, None, None, None
+
+
+def _scales_gradient(
+    forward_amaxes: torch.Tensor, grad_output: torch.Tensor, loss_scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Delayed scaling's "gradient" of the scales: this step's amaxes (input, weight, output gradient).
+
+    `DelayedScalingState.update` records them: the state comes back out of the backward pass as a
+    value, as flax's FP8 meta does, with no buffer written. The input's and the weight's are
+    multiplied by the loss scale, which the step's unscale divides every gradient by; the output
+    gradient's is of the scaled gradient already.
+    """
+    # A finite amax saturates, so that a huge loss scale does not make a finite step look
+    # overflowed; an inf or NaN one (an activation that overflowed) stays, and skips the step.
+    scaled = (forward_amaxes * loss_scale).clamp(max=torch.finfo(torch.float32).max)
+    forward_amaxes = torch.where(torch.isfinite(forward_amaxes), scaled, forward_amaxes)
+    return torch.cat([forward_amaxes, amax(grad_output)[None]]).to(dtype)
 
 
 def _apply(*args: Any) -> torch.Tensor:
@@ -164,7 +212,7 @@ def _apply(*args: Any) -> torch.Tensor:
 
     A function of its own, not the bound `apply`, which Dynamo cannot call through a wrapper.
     """
-    return _Fp8Linear.apply(*args)  # type: ignore[no-any-return,no-untyped-call]
+    return _Fp8Linear.apply(*args)[0]  # type: ignore[no-any-return,no-untyped-call]
 
 
 def _check_arguments(x: Any, weight: Any, bias: Any, recipe: Any, scales: Any, loss_scale: Any) -> None:
