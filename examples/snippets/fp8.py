@@ -24,6 +24,25 @@ for _ in range(3):
 # --8<-- [end:modules]
 print(float(info.loss))
 
+# --8<-- [start:rowwise]
+# A power-of-two scale per row: an outlier token or feature no longer flattens the rest.
+rowwise_loss = fmp.fp8.fp8_modules(loss_fn, model, {nn.Linear: fmp.fp8.rowwise()})
+state, info = fmp.train_step(rowwise_loss, state, x, y, policy=policy, optimizer=optimizer)
+# --8<-- [end:rowwise]
+
+# --8<-- [start:mxfp8]
+# Every dim a matmul contracts (features, and tokens for the weight's gradient) a multiple of 32.
+mx_loss = fmp.fp8.fp8_modules(loss_fn, model, {nn.Linear: fmp.fp8.mxfp8()})
+state, info = fmp.train_step(mx_loss, state, x, y, policy=policy, optimizer=optimizer)
+# --8<-- [end:mxfp8]
+
+# --8<-- [start:blockwise]
+# The last layer stays in bfloat16, as DeepSeek-V3 keeps its output head out of FP8.
+blockwise_loss = fmp.fp8.fp8_modules(loss_fn, model, {"0": fmp.fp8.blockwise(block=32)})
+state, info = fmp.train_step(blockwise_loss, state, x, y, policy=policy, optimizer=optimizer)
+# --8<-- [end:blockwise]
+assert int(state.counts.applied) == 6
+
 # --8<-- [start:delayed]
 recipes = {nn.Linear: fmp.fp8.delayed(history_len=16)}  # Transformer Engine's DelayedScaling
 # One DelayedScalingState per layer (amax history and scales), in the state beside the loss scale.

@@ -175,7 +175,7 @@ def fp8_modules(fn: Callable[..., R], model: nn.Module, recipes: Mapping[Any, Re
     With a delayed recipe (`delayed()`) among them, the returned function takes an `Fp8Scales`
     after the params, `fn'(params, fp8_scales, *rest)` calling `fn(params, *rest)`: give the
     state `fp8=init_states(model, recipes)` and `fmp.train_step` passes the scales and updates the
-    states (see the [FP8 how-to](../how-to/fp8.md)).
+    states (see [Delayed scaling](../how-to/fp8/delayed.md)).
 
     Example, every linear layer of a model in FP8 with per-tensor scales, the rest in bfloat16::
 
