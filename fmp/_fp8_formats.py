@@ -60,7 +60,9 @@ def max_finite(dtype: torch.dtype) -> float:
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
-    """The largest magnitude of `x`, in float32 (0-dim); NaN if any element is NaN."""
+    """The largest magnitude of `x`, in float32 (0-dim); NaN if any element is NaN, 0 if it has none."""
+    if x.numel() == 0:  # an empty batch: torch's amax refuses a reduction over no elements
+        return torch.zeros((), dtype=torch.float32, device=x.device)
     return x.detach().abs().float().amax()
 
 

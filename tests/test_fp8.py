@@ -345,6 +345,52 @@ def test_each_matmul_of_fp8_linear_scales_along_the_dim_it_contracts(name: str) 
     assert torch.equal(grad_w, q(g.t(), "grad_output", 1) @ q(x, "input", 0))
 
 
+PER_TENSOR = {"tensorwise": f8.tensorwise("e4m3"), "delayed": f8.delayed(4, format="e4m3")}
+
+
+@pytest.mark.parametrize("name", list(PER_TENSOR))
+def test_per_tensor_recipes_multiply_the_forwards_fp8_operands_in_the_backward_bit_for_bit(name: str) -> None:
+    # One scale per tensor: the backward's operands are the forward's, transposed. A bfloat16
+    # input, a float32 weight: the output and the input's gradient in bfloat16, the weight's in float32.
+    recipe = PER_TENSOR[name]
+    scales = torch.tensor([64.0, 2.0, 0.5]) if name == "delayed" else None
+
+    def q(m: torch.Tensor, role: str) -> torch.Tensor:
+        if scales is None:
+            return reference_fake_quantize(m, tuple(m.shape), lambda a: E4M3_MAX / a)
+        return reference_fake_quantize(m, tuple(m.shape), lambda a: scales[f8.ROLES.index(role)])
+
+    x, weight = matrix(64, 128, seed=20).bfloat16().requires_grad_(), matrix(48, 128, seed=21).requires_grad_()
+    g = matrix(64, 48, seed=22, spread=1.0).bfloat16()
+    y = f8.fp8_linear(x, weight, recipe=recipe, **({} if scales is None else {"scales": scales}))
+    grad_x, grad_w = torch.autograd.grad(y, (x, weight), g)
+    x, weight = x.detach(), weight.detach()
+    assert torch.equal(y, (q(x, "input") @ q(weight.t(), "weight")).bfloat16())
+    assert torch.equal(grad_x, (q(g, "grad_output") @ q(weight, "weight")).bfloat16())
+    assert grad_w.dtype == torch.float32 and torch.equal(grad_w, q(g.t(), "grad_output") @ q(x, "input"))
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "delayed", "rowwise"])
+def test_per_tensor_recipes_save_the_fp8_input_for_the_backward_and_others_the_input(name: str) -> None:
+    recipe = {**PER_TENSOR, "rowwise": f8.rowwise()}[name]
+    saved: list[torch.Tensor] = []
+    x, weight = matrix(32, 64, seed=23).bfloat16().requires_grad_(), matrix(48, 64, seed=24).requires_grad_()
+    scales = {"scales": torch.ones(3, requires_grad=True)} if name == "delayed" else {}
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = f8.fp8_linear(x, weight, recipe=recipe, **scales)
+    per_tensor = name != "rowwise"
+    assert any(t.dtype == f8.E4M3 and t.shape == (32, 64) for t in saved) == per_tensor
+    assert any(t.dtype == torch.bfloat16 and t.shape == (32, 64) for t in saved) != per_tensor
+    assert torch.autograd.grad(y.float().sum(), x)[0].shape == x.shape
+
+
+def test_a_delayed_fp8_linear_takes_an_empty_batch() -> None:
+    weight, scales = matrix(16, 32, seed=25), f8.delayed(4).init().scale
+    with torch.no_grad():
+        assert f8.fp8_linear(torch.randn(0, 32), weight, recipe=f8.delayed(4), scales=scales).shape == (0, 16)
+    assert f8.amax(torch.randn(0, 3)) == 0
+
+
 @pytest.mark.parametrize("recipe", [f8.tensorwise(), f8.rowwise(), f8.delayed()], ids=lambda r: type(r).__name__)
 def test_scaled_mm_gets_a_row_major_and_a_column_major_operand_in_all_three_matmuls(
     recipe: Any, monkeypatch: pytest.MonkeyPatch

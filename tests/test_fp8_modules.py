@@ -175,47 +175,88 @@ def test_a_delayed_layer_that_runs_twice_in_a_call_is_refused_by_name() -> None:
 class RematBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.inner = nn.Linear(32, 32)
+        self.inner, self.beside = nn.Linear(32, 32), nn.Linear(32, 32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + torch.tanh(self.inner(x))
 
 
-class RematModel(nn.Module):
+class OuterBlock(nn.Module):
     def __init__(self, remat: bool) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.block, self.head, self.remat = RematBlock(), nn.Linear(32, 16), remat
+        self.block, self.out, self.remat = RematBlock(), nn.Linear(32, 32), remat
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(fmp.remat.remat(self.block)(x) if self.remat else self.block(x))
+        return self.out(fmp.remat.remat(self.block)(x) if self.remat else self.block(x))
 
 
-@pytest.mark.parametrize("recipe", [f8.tensorwise(), f8.delayed(4)], ids=lambda r: type(r).__name__)
-def test_inside_remat_fp8_layers_train_bit_for_bit_as_outside(recipe: Any) -> None:
+class RematModel(nn.Module):
+    """`shape`: "flat" (one block), "nested" (a block inside a block) or "beside" (a layer of the
+    block run outside it, after it)."""
+
+    def __init__(self, remat: bool, shape: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.outer, self.head, self.remat, self.shape = (
+            OuterBlock(remat and shape == "nested"),
+            nn.Linear(32, 16),
+            remat,
+            shape,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        block = self.outer if self.shape == "nested" else self.outer.block
+        h = fmp.remat.remat(block)(x) if self.remat else block(x)
+        return self.head(self.outer.block.beside(h) if self.shape == "beside" else h)
+
+
+def remat_step(model: nn.Module, recipes: dict[Any, Any]) -> tuple[Any, fmp.TrainState]:
+    params, _ = fmp.nn.split(model)
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, params, (x,)).float().square().mean()
+
+    optimizer = fmp.optim.sgd(0.1)
+    scaler = fmp.DynamicLossScale.create(init_scale=2.0**10)
+    state = fmp.TrainState.create(params, optimizer, scaler, fp8=f8.init_states(model, recipes))
+    step = functools.partial(fmp.train_step, f8.fp8_modules(loss_fn, model, recipes), policy=BF16, optimizer=optimizer)
+    return step, state
+
+
+@pytest.mark.parametrize(
+    ("recipe", "shape"),
+    [(f8.tensorwise(), "flat"), (f8.delayed(4), "flat"), (f8.delayed(4), "nested"), (f8.delayed(4), "beside")],
+    ids=["tensorwise", "delayed", "delayed-nested", "delayed-beside"],
+)
+def test_inside_remat_fp8_layers_train_bit_for_bit_as_outside(recipe: Any, shape: str) -> None:
     recipes = {nn.Linear: recipe}
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
     results = []
     for remat in (False, True):
-        model = RematModel(remat)
-        params, _ = fmp.nn.split(model)
-
-        def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, model: nn.Module = model) -> torch.Tensor:
-            return torch.func.functional_call(model, params, (x,)).float().square().mean()
-
-        optimizer = fmp.optim.sgd(0.1)
-        scaler = fmp.DynamicLossScale.create(init_scale=2.0**10)
-        state = fmp.TrainState.create(params, optimizer, scaler, fp8=f8.init_states(model, recipes))
-        step = functools.partial(
-            fmp.train_step, f8.fp8_modules(loss_fn, model, recipes), policy=BF16, optimizer=optimizer
-        )
+        step, state = remat_step(RematModel(remat, shape), recipes)
         for _ in range(2):
             state, info = step(state, x)
             assert bool(info.applied)
         results.append((state.params, state.fp8))
     assert_trees_bitwise_equal(results[0], results[1])
     if isinstance(recipe, f8.DelayedScaling):
-        assert results[1][1]["block.inner"].amax_history[-1, 0] == x.abs().max()
+        assert results[1][1]["outer.block.inner"].amax_history[-1, 0] == x.abs().max()
+
+
+def head_bias_jvp(model: nn.Module, recipes: dict[Any, Any], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    params, _ = fmp.nn.split(model)
+    fn = f8.fp8_modules(lambda p, x: torch.func.functional_call(model, p, (x,)).sum(), model, recipes)
+    scales = f8.Fp8Scales({n: s.scale for n, s in f8.init_states(model, recipes).items()}, torch.ones(()))
+    bias = params["head.bias"]
+    return torch.func.jvp(lambda b: fn({**params, "head.bias": b}, scales, x), (bias,), (torch.ones(16),))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")  # torch.func.jvp's first use
+def test_a_forward_mode_derivative_through_a_remat_block_with_a_delayed_layer() -> None:
+    recipes = {nn.Linear: f8.delayed(4)}
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(3))
+    plain, rematerialized = (head_bias_jvp(RematModel(remat, "flat"), recipes, x) for remat in (False, True))
+    assert_trees_bitwise_equal(plain, rematerialized)
 
 
 class TwiceThroughRemat(nn.Module):
@@ -225,6 +266,24 @@ class TwiceThroughRemat(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(fmp.remat.remat(self.inner)(x))
+
+
+class TwiceInRemat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(torch.tanh(self.inner(x)))
+
+
+class RematTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = TwiceInRemat()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fmp.remat.remat(self.block)(x)
 
 
 def test_a_delayed_layer_run_by_a_remat_block_and_again_outside_it_is_refused() -> None:
@@ -237,4 +296,17 @@ def test_a_delayed_layer_run_by_a_remat_block_and_again_outside_it_is_refused() 
 
     scales = f8.Fp8Scales({"inner": f8.delayed(4).init().scale.requires_grad_()}, torch.ones(()))
     with pytest.raises(RuntimeError, match=r"the delayed-scaling layer 'inner' ran twice in one call"):
+        f8.fp8_modules(loss_fn, model, recipes)(params, scales, torch.randn(4, 8))
+
+
+def test_a_delayed_layer_run_twice_inside_a_remat_block_is_refused() -> None:
+    model = RematTwice()
+    recipes = {nn.Linear: f8.delayed(4)}
+    params, _ = fmp.nn.split(model)
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, params, (x,)).float().sum()
+
+    scales = f8.Fp8Scales({"block.inner": f8.delayed(4).init().scale.requires_grad_()}, torch.ones(()))
+    with pytest.raises(RuntimeError, match=r"the delayed-scaling layer 'block.inner' ran twice in one call"):
         f8.fp8_modules(loss_fn, model, recipes)(params, scales, torch.randn(4, 8))

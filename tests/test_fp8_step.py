@@ -249,18 +249,20 @@ def test_a_policy_that_casts_params_whole_to_16_bits_is_refused_by_name() -> Non
         step(state, *batch(), policy=whole)
 
 
-def two_losses(model: nn.Module) -> Any:
+def two_losses(model: nn.Module, swapped: bool = False) -> Any:
     def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = torch.func.functional_call(model, params, (x,)).float()
-        return (out - y).square().mean(), 50 * (out - 2 * y).abs().mean()
+        losses = (out - y).square().mean(), 50 * (out - 2 * y).abs().mean()
+        return losses[::-1] if swapped else losses
 
     return loss_fn
 
 
-def test_several_losses_record_the_largest_output_gradient_amax_of_their_passes() -> None:
+@pytest.mark.parametrize("swapped", [False, True], ids=["larger-last", "larger-first"])
+def test_several_losses_record_the_largest_output_gradient_amax_of_their_passes(swapped: bool) -> None:
     model = mlp()
     params, _ = fmp.nn.split(model)
-    fp8_fn = f8.fp8_modules(two_losses(model), model, RECIPES)
+    fp8_fn = f8.fp8_modules(two_losses(model, swapped), model, RECIPES)
     optimizer = fmp.optim.adamw(1e-2)
     fp8 = f8.init_states(model, RECIPES)
     x, y = batch()
@@ -300,6 +302,20 @@ def test_with_several_losses_an_overflow_in_one_skips_the_step_and_keeps_the_sta
     assert not bool(info.applied)
     assert_trees_bitwise_equal((new.params, new.opt_state, new.fp8), (state.params, state.opt_state, state.fp8))
     assert new.scaler[0].loss_scale == 2.0**14 and new.scaler[1].loss_scale == 2.0**126
+
+
+def test_with_several_losses_an_input_that_only_the_fp8_cast_saturates_skips_the_step() -> None:
+    # The FP8 cast saturates an inf input, so only the amax is non-finite: it must skip the step.
+    model = mlp()
+    params, _ = fmp.nn.split(model)
+    fp8_fn = f8.fp8_modules(two_losses(model), model, RECIPES)
+    optimizer = fmp.optim.adamw(1e-2)
+    state = fmp.TrainState.create(params, optimizer, (fmp.NoOpLossScale(),) * 2, fp8=f8.init_states(model, RECIPES))
+    x, y = batch()
+    x[3, 5] = float("inf")
+    new, info = fmp.train_step(fp8_fn, state, x, y, policy=BF16, optimizer=optimizer)
+    assert not bool(info.applied)
+    assert_trees_bitwise_equal((new.params, new.opt_state, new.fp8), (state.params, state.opt_state, state.fp8))
 
 
 def test_bfloat16_params_thread_float32_scales() -> None:

@@ -80,17 +80,27 @@ class ReadingForward(abc.ABC):
 
     `fmp.fp8.fp8_modules` patches a layer on a delayed recipe with one: it reads the layer's
     scales, which the step differentiates. `fmp.remat` cannot let a block read a differentiated
-    tensor it does not take as an argument, so it claims the tensors of each such forward in the
-    block, passes them in, and runs the block with the forwards reading what it passed.
+    tensor it does not take as an argument, so it passes the tensors of each such forward in the
+    block in, and runs the block with the forwards reading what it passed.
     """
 
     @abc.abstractmethod
-    def claim(self) -> tuple[torch.Tensor, ...]:
-        """The tensors this forward reads, the forward's single run taken by the caller that passes them."""
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors this forward reads."""
 
     @abc.abstractmethod
-    def reading(self, tensors: tuple[torch.Tensor, ...]) -> Callable[..., Any]:
-        """The same forward, reading `tensors` (as `claim` returned them, or their replacements) instead."""
+    def reading(self, tensors: tuple[torch.Tensor, ...], *, counted: bool) -> ReadingForward:
+        """The same forward, reading `tensors` (as `tensors()` returned them, or their replacements) instead.
+
+        Args:
+            tensors: What it reads.
+            counted: Whether its runs count with this forward's (a block's first run), or apart
+                from them (the block's recompute, which runs its layers again).
+        """
+
+    @abc.abstractmethod
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's forward."""
 
 
 def _shown(items: list[str]) -> str:

@@ -111,8 +111,13 @@ def _multiply(recipe: Recipe, a: Quantized, b: Quantized, out_dtype: torch.dtype
 
 
 def _per_tensor(recipe: Recipe) -> bool:
-    """Whether one scale covers each operand, so its FP8 values are the same in either orientation."""
-    return isinstance(recipe, DelayedScaling) or recipe.name == "tensorwise"
+    """Whether one scale covers each operand, so its FP8 values are the same in either orientation.
+
+    A recipe that keeps the weight's gradient in high precision needs the input as it was.
+    """
+    if isinstance(recipe, DelayedScaling):
+        return True
+    return recipe.name == "tensorwise" and not recipe.high_precision_weight_grad
 
 
 def _transposed(q: Quantized) -> Quantized:
@@ -127,6 +132,8 @@ class _Fp8Linear(torch.autograd.Function):
     output gradient once for both of its matmuls: the same values a re-quantization would give,
     in half the casts, and the saved input takes one byte an element. Other recipes scale along
     the contracted dim, so the backward re-quantizes the saved high-precision input and weight.
+    The per-tensor backward keeps the FP8 weight (one byte an element) until it runs, beside
+    the weight itself.
     """
 
     generate_vmap_rule = True
@@ -155,11 +162,15 @@ class _Fp8Linear(torch.autograd.Function):
         x, weight, scales, loss_scale, recipe = inputs
         ctx.recipe, ctx.dtypes = recipe, (x.dtype, weight.dtype)
         ctx.mark_non_differentiable(*output[1:])
+        # The extra outputs get no gradient: no zero tensors of the operands' sizes for them.
+        ctx.set_materialize_grads(False)
         saved = output[1:] if _per_tensor(recipe) else (x, weight)
         ctx.save_for_backward(*saved, scales, loss_scale)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor, *_: Any) -> tuple[Any, ...]:
+    def backward(ctx: Any, grad_output: torch.Tensor | None, *_: Any) -> tuple[Any, ...]:
+        if grad_output is None:  # the output reaches no loss
+            return None, None, None, None, None
         # Autograd runs a backward with the autocast state of the thread that calls it; the
         # matmuls here must see their float32 operands as they are, as in the forward.
         with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
@@ -285,7 +296,8 @@ def fp8_linear(
         loss_scale: With a delayed recipe, the loss scale the output gradient arrives
             multiplied by (0-dim float32; None: 1): the gradient's cast divides its scale by it,
             and the amaxes come out multiplied by it, as gradients of the scaled loss, so that
-            unscaling them gives them unscaled. `fmp.train_step` passes the step's.
+            unscaling them gives them unscaled. `fmp.train_step` passes the scale of the loss
+            being differentiated.
 
     Returns:
         (..., out_features) in `x`'s dtype.

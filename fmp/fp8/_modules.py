@@ -102,12 +102,28 @@ def init_states(
 
 
 class _DelayedForward(ReadingForward):
-    """A delayed-scaling layer's forward: `fp8_linear` with the layer's scales, run once per call."""
+    """A delayed-scaling layer's forward: `fp8_linear` with the layer's scales, run once per call.
 
-    def __init__(self, name: str, module: nn.Linear, recipe: DelayedScaling, scales: Fp8Scales, calls: set[str]):
-        self.name, self.module, self.recipe, self.scales, self.calls = name, module, recipe, scales, calls
+    Args:
+        name: The layer's name, for the error.
+        module: The layer.
+        recipe: Its recipe.
+        tensors: Its scales and the loss scale of the pass.
+        calls: The delayed layers that ran in this call (shared by the call's forwards).
+    """
 
-    def claim(self) -> tuple[torch.Tensor, ...]:
+    def __init__(
+        self, name: str, module: nn.Linear, recipe: DelayedScaling, tensors: tuple[torch.Tensor, ...], calls: set[str]
+    ) -> None:
+        self.name, self.module, self.recipe, self._tensors, self.calls = name, module, recipe, tensors, calls
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self._tensors
+
+    def reading(self, tensors: tuple[torch.Tensor, ...], *, counted: bool) -> _DelayedForward:
+        return _DelayedForward(self.name, self.module, self.recipe, tensors, self.calls if counted else set())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.name in self.calls:
             raise RuntimeError(
                 f"fp8_modules: the delayed-scaling layer {self.name!r} ran twice in one call: its scales' gradient "
@@ -115,20 +131,10 @@ class _DelayedForward(ReadingForward):
                 f"that runs several times a current-scaling recipe (tensorwise())"
             )
         self.calls.add(self.name)
-        return self.scales.scales[self.name], self.scales.loss_scale
-
-    def reading(self, tensors: tuple[torch.Tensor, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
-        layer_scales, loss_scale = tensors
-
-        def fp8_forward(x: torch.Tensor) -> torch.Tensor:
-            # The parameters in place now: those functional_call swapped in, or the module's own.
-            module, recipe = self.module, self.recipe
-            return fp8_linear(x, module.weight, module.bias, recipe=recipe, scales=layer_scales, loss_scale=loss_scale)
-
-        return fp8_forward
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.reading(self.claim())(x)
+        layer_scales, loss_scale = self._tensors
+        # The parameters in place now: those functional_call swapped in, or the module's own.
+        weight, bias = self.module.weight, self.module.bias
+        return fp8_linear(x, weight, bias, recipe=self.recipe, scales=layer_scales, loss_scale=loss_scale)
 
 
 def _fp8_forward(
@@ -136,7 +142,7 @@ def _fp8_forward(
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     if isinstance(recipe, DelayedScaling):
         assert scales is not None  # delayed layers' functions take them (see _check_scales)
-        return _DelayedForward(name, module, recipe, scales, calls)
+        return _DelayedForward(name, module, recipe, (scales.scales[name], scales.loss_scale), calls)
 
     def fp8_forward(x: torch.Tensor) -> torch.Tensor:
         # The parameters in place now: those functional_call swapped in, or the module's own.

@@ -183,15 +183,6 @@ def _forward_mode_only(arguments: Any) -> bool:
 
 
 def _remat_module(module: torch.nn.Module, preserve_rng_state: bool) -> Callable[..., Any]:
-    def run_module(
-        state: dict[str, torch.Tensor],
-        reads: dict[str, tuple[torch.Tensor, ...]],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        with _reading(module, reads):
-            return torch.func.functional_call(module, state, args, kwargs)
-
     def rematerialized(*args: Any, **kwargs: Any) -> Any:
         if _runs_plain():
             return module(*args, **kwargs)
@@ -199,13 +190,26 @@ def _remat_module(module: torch.nn.Module, preserve_rng_state: bool) -> Callable
         state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
         # The tensors patched forwards read (FP8 scales) go in as arguments, as the parameters do.
         reads = {
-            name: forward.claim()
+            name: forward.tensors()
             for name, sub in module.named_modules()
             if isinstance(forward := sub.__dict__.get("forward"), ReadingForward)
         }
         arguments = (state, reads, args, kwargs)
         if _forward_mode_only(arguments):
             return module(*args, **kwargs)
+        first_run = [True]
+
+        def run_module(
+            state: dict[str, torch.Tensor],
+            reads: dict[str, tuple[torch.Tensor, ...]],
+            args: tuple[Any, ...],
+            kwargs: dict[str, Any],
+        ) -> Any:
+            # The first run's layer runs count as the call's; the recompute's stand apart.
+            counted, first_run[0] = first_run[0], False
+            with _reading(module, reads, counted):
+                return torch.func.functional_call(module, state, args, kwargs)
+
         ambient = _ambient(arguments, preserve_rng_state, tuple(module.modules()))
         call = Call(run_module, type(module).__name__, arguments, {}, ambient)
         return _apply(call, call.inputs(arguments, {}))
@@ -215,15 +219,15 @@ def _remat_module(module: torch.nn.Module, preserve_rng_state: bool) -> Callable
 
 
 @contextlib.contextmanager
-def _reading(module: torch.nn.Module, reads: dict[str, tuple[torch.Tensor, ...]]) -> Iterator[None]:
-    """Runs the body with the claimed forwards of `module`'s submodules reading `reads`, put back after."""
+def _reading(module: torch.nn.Module, reads: dict[str, tuple[torch.Tensor, ...]], counted: bool) -> Iterator[None]:
+    """Runs the body with the reading forwards of `module`'s submodules reading `reads`, put back after."""
     submodules = dict(module.named_modules())
     with contextlib.ExitStack() as stack:
         for name, tensors in reads.items():
             attrs = submodules[name].__dict__
             forward = attrs["forward"]
             stack.callback(attrs.__setitem__, "forward", forward)
-            attrs["forward"] = forward.reading(tensors)
+            attrs["forward"] = forward.reading(tensors, counted=counted)
         yield
 
 
