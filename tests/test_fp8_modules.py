@@ -286,27 +286,16 @@ class RematTwice(nn.Module):
         return fmp.remat.remat(self.block)(x)
 
 
-def test_a_delayed_layer_run_by_a_remat_block_and_again_outside_it_is_refused() -> None:
-    model = TwiceThroughRemat()
+@pytest.mark.parametrize(
+    ("model", "layer"), [(TwiceThroughRemat(), "inner"), (RematTwice(), "block.inner")], ids=["through", "inside"]
+)
+def test_a_delayed_layer_run_twice_through_or_inside_a_remat_block_is_refused(model: nn.Module, layer: str) -> None:
     recipes = {nn.Linear: f8.delayed(4)}
     params, _ = fmp.nn.split(model)
 
     def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         return torch.func.functional_call(model, params, (x,)).float().sum()
 
-    scales = f8.Fp8Scales({"inner": f8.delayed(4).init().scale.requires_grad_()}, torch.ones(()))
-    with pytest.raises(RuntimeError, match=r"the delayed-scaling layer 'inner' ran twice in one call"):
-        f8.fp8_modules(loss_fn, model, recipes)(params, scales, torch.randn(4, 8))
-
-
-def test_a_delayed_layer_run_twice_inside_a_remat_block_is_refused() -> None:
-    model = RematTwice()
-    recipes = {nn.Linear: f8.delayed(4)}
-    params, _ = fmp.nn.split(model)
-
-    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        return torch.func.functional_call(model, params, (x,)).float().sum()
-
-    scales = f8.Fp8Scales({"block.inner": f8.delayed(4).init().scale.requires_grad_()}, torch.ones(()))
-    with pytest.raises(RuntimeError, match=r"the delayed-scaling layer 'block.inner' ran twice in one call"):
+    scales = f8.Fp8Scales({layer: f8.delayed(4).init().scale.requires_grad_()}, torch.ones(()))
+    with pytest.raises(RuntimeError, match=rf"the delayed-scaling layer '{layer}' ran twice in one call"):
         f8.fp8_modules(loss_fn, model, recipes)(params, scales, torch.randn(4, 8))
