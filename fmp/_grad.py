@@ -360,8 +360,12 @@ def differentiate(
                 raise TypeError(f"with has_aux=True, loss_fn must return (loss, aux), got {type(out).__name__}")
             out, aux = out
             _check_aux(aux)
-        loss = pytree.tree_map(policy.cast_to_output, _check_losses(out, scaler))
-        losses = loss if isinstance(scaler, tuple) else (loss,)
+        checked = _check_losses(out, scaler)
+        if isinstance(scaler, tuple):
+            loss = losses = tuple(map(policy.cast_to_output, checked))
+        else:
+            loss = policy.cast_to_output(checked)
+            losses = (loss,)
         return tuple(s.scale(x) for s, x in zip(scalers, losses, strict=True)), (loss, aux)
 
     def grad_of_loss(index: int) -> Differentiated:

@@ -79,7 +79,8 @@ def _multiply_leaves(tree: Tree, factor: torch.Tensor, *, keep_dtype: bool, in_p
         out_dtype = x.dtype if keep_dtype or x.dim() > 0 else compute_dtype
         return (x.to(compute_dtype) * factor).to(out_dtype)
 
-    return cast(Tree, pytree.tree_map(multiply, tree))
+    # One leaf, such as a loss, needs no tree walk.
+    return cast(Tree, multiply(tree) if type(tree) is torch.Tensor else pytree.tree_map(multiply, tree))
 
 
 class _TensorScale:
@@ -93,7 +94,8 @@ class _TensorScale:
         Raises:
             TypeError: If `tree` holds no floating-point or complex tensor (a Python float loss, say).
         """
-        if not any(is_inexact_tensor(x) for x in pytree.tree_leaves(tree)):
+        leaves = [tree] if type(tree) is torch.Tensor else pytree.tree_leaves(tree)
+        if not any(is_inexact_tensor(x) for x in leaves):
             raise TypeError(f"scale() found no floating-point tensor to scale in a {type(tree).__name__}")
         return _multiply_leaves(tree, self.loss_scale, keep_dtype=False)
 
@@ -317,10 +319,11 @@ class DynamicLossScale(_TensorScale):
         factors = (self.growth_factor, self.backoff_factor, self.growth_interval)
         # Saturates rather than wrapping after 2**31 - 1 consecutive overflows.
         streak = self.overflow_streak.clamp(max=_INT32_MAX - 1) + 1
+        overflowed = ~grads_finite
         if self.hysteresis == 1 and runs_grad_scaler_kernel(scale, self.growth_tracker, grads_finite):
-            new_scale, tracker = grad_scaler_update(scale, self.growth_tracker, grads_finite, *factors)
+            new_scale, tracker = grad_scaler_update(scale, self.growth_tracker, overflowed, *factors)
         else:
-            back_off = ~grads_finite & (streak >= self.hysteresis)
+            back_off = overflowed & (streak >= self.hysteresis)
             new_scale, tracker = scale_update(scale, self.growth_tracker, grads_finite, back_off, *factors)
         # torch.where, not clamp: clamp passes NaN through, and a NaN scale would skip every step.
         reset = torch.full_like(scale, min(max(RESET_SCALE, self.min_scale), self.max_scale))
@@ -329,7 +332,7 @@ class DynamicLossScale(_TensorScale):
             loss_scale=torch.where(in_range, new_scale.clamp(self.min_scale, self.max_scale), reset),
             # The counters times a bool flag: 0 where it is False (exact, one op where a select needs two).
             growth_tracker=tracker * in_range,
-            overflow_streak=streak * (in_range & ~grads_finite),
+            overflow_streak=streak * (in_range & overflowed),
         )
 
     def state_dict(self) -> dict[str, float | int]:

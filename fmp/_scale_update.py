@@ -38,19 +38,20 @@ def scale_update(
 def grad_scaler_update(
     scale: torch.Tensor,
     growth_tracker: torch.Tensor,
-    grads_finite: torch.Tensor,
+    overflowed: torch.Tensor,
     growth_factor: float,
     backoff_factor: float,
     growth_interval: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`scale_update` without hysteresis (every overflow backs off), by GradScaler's kernel on copies.
 
-    The kernel grows when the tracker reaches `growth_interval` exactly, where `scale_update` grows
-    from there on; a tracker clamped below the interval makes the two agree for any state.
+    `overflowed` is the negated finite flag (the caller needs it too). The kernel grows when the
+    tracker reaches `growth_interval` exactly, where `scale_update` grows from there on; a tracker
+    clamped below the interval makes the two agree for any state.
     """
     new_scale = scale.clone()
     tracker = growth_tracker.clamp(max=growth_interval - 1)
-    found_inf = (~grads_finite).float()
+    found_inf = overflowed.float()
     torch._amp_update_scale_(new_scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval)
     return new_scale, tracker
 

@@ -30,7 +30,6 @@ from fmp._checks import check_bool
 from fmp._checks import check_real
 from fmp._donation import check_distinct
 from fmp._donation import donate_into
-from fmp._donation import writable
 from fmp._donation import writes_in_place
 from fmp._loss_scale import DynamicLossScale
 from fmp._loss_scale import LossScale
@@ -103,7 +102,8 @@ def unscale_and_check(
         grads = scaler.unscale(scaled_grads)
         return grads, all_finite(grads)
     inverse = inverse_scale(scaler.loss_scale)
-    in_place = [x for x in leaves if id(x) in owned and writable(x)] if owned else []
+    # The kernels take contiguous tensors only, each of which is `writable`.
+    in_place = [x for x in leaves if id(x) in owned] if owned else []
     if len(in_place) == len(leaves):  # the usual case: every gradient ours, unscaled where it lies
         torch._foreach_mul_(leaves, inverse)
         return scaled_grads, _finite(leaves)
@@ -156,9 +156,11 @@ def adjust_each(scaler: Any, finite_per_loss: Any, in_range: tuple[torch.Tensor,
 
     `in_range` holds `scale_in_range` of each scaler, which the step computed already.
     """
+    if not isinstance(scaler, tuple):
+        (one_in_range,) = in_range
+        return scaler.adjust_in_range(finite_per_loss, one_in_range)
     flags = per_loss(finite_per_loss)
-    adjusted = tuple(s.adjust_in_range(f, r) for s, f, r in zip(per_loss(scaler), flags, in_range, strict=True))
-    return adjusted if isinstance(scaler, tuple) else adjusted[0]
+    return tuple(s.adjust_in_range(f, r) for s, f, r in zip(scaler, flags, in_range, strict=True))
 
 
 def check_unscale_arguments(scaler: Any, scaled_grads: Any, donate: Any, max_norm: Any) -> torch.device:

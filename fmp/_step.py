@@ -105,7 +105,9 @@ def _stalled(scaler: ScalerTree, finite_per_loss: Any) -> torch.Tensor:
     A scale out of range fails the comparison (NaN) or passes it (0, negative): `bad_scale` names such
     steps apart.
     """
-    flags = [~finite & _at_min_scale(s) for s, finite in zip(per_loss(scaler), per_loss(finite_per_loss), strict=True)]
+    if not isinstance(scaler, tuple):
+        return ~finite_per_loss & _at_min_scale(scaler)  # type: ignore[no-any-return]
+    flags = [~finite & _at_min_scale(s) for s, finite in zip(scaler, per_loss(finite_per_loss), strict=True)]
     return functools.reduce(operator.or_, flags)  # type: ignore[no-any-return]
 
 
@@ -117,14 +119,18 @@ def _with_scales_in_range(
     Such a scale (NaN, inf, 0, negative: a crafted or corrupted state) made gradients that mean
     nothing, even where finite (a negative scale), so the step is skipped and the adjust resets it.
     """
-    in_range = tuple(scale_in_range(s) for s in per_loss(scaler))
+    if not isinstance(scaler, tuple):  # one loss: the same flags, without the tuples
+        one_in_range = scale_in_range(scaler)
+        finite = gradients.finite_per_loss & one_in_range
+        one_flag = gradients.finite_per_loss is gradients.grads_finite  # then one op serves both
+        grads_finite = finite if one_flag else gradients.grads_finite & one_in_range
+        return gradients._replace(grads_finite=grads_finite, finite_per_loss=finite), ~one_in_range, (one_in_range,)
+    in_range = tuple(scale_in_range(s) for s in scaler)
     finite = tuple(f & r for f, r in zip(per_loss(gradients.finite_per_loss), in_range, strict=True))
     # Chained with &, not stacked: a NoOpLossScale's flag is a CPU tensor beside accelerator ones.
     all_in_range = functools.reduce(operator.and_, in_range)
-    one_flag = not isinstance(scaler, tuple) and gradients.finite_per_loss is gradients.grads_finite
-    grads_finite = finite[0] if one_flag else gradients.grads_finite & all_in_range  # one flag for both: one op
-    finite_per_loss = finite if isinstance(scaler, tuple) else finite[0]
-    return gradients._replace(grads_finite=grads_finite, finite_per_loss=finite_per_loss), ~all_in_range, in_range
+    grads_finite = gradients.grads_finite & all_in_range
+    return gradients._replace(grads_finite=grads_finite, finite_per_loss=finite), ~all_in_range, in_range
 
 
 def _check_finite_per_loss(finite_per_loss: Any, scaler: Any) -> None:

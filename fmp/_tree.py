@@ -166,6 +166,9 @@ def cast_floating(tree: Tree, dtype: torch.dtype) -> Tree:
     """
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"cast_floating: dtype must be a floating-point torch.dtype, got {dtype!r}")
+    if type(tree) is torch.Tensor:  # one leaf, such as a loss: no tree to walk
+        leaf = cast(torch.Tensor, tree)
+        return cast(Tree, leaf.to(dtype) if leaf.is_floating_point() and leaf.dtype != dtype else leaf)
     check_no_opaque_leaves(pytree.tree_leaves(tree), tree, "cast_floating: tree", allow_modules=True)
     return cast(Tree, pytree.tree_map(lambda x: x.to(dtype) if is_floating_tensor(x) and x.dtype != dtype else x, tree))
 
@@ -180,14 +183,20 @@ def _values(x: torch.Tensor) -> torch.Tensor:
 def takes_foreach(leaves: list[Any], device: torch.device) -> bool:
     """Whether eager code may hand `leaves` to torch's multi-tensor (`_foreach_*`) kernels at once.
 
-    Every leaf a plain, contiguous float32 tensor on `device` that autograd does not track, and at
-    least one (the kernels refuse empty lists); not while compiling, where Inductor fuses the
-    per-leaf form, nor under `torch.func` transforms.
+    Every leaf a plain, contiguous float32 tensor on `device` that autograd does not track, and
+    that takes writes (not an inference tensor outside inference mode), and at least one (the
+    kernels refuse empty lists); not while compiling, where Inductor fuses the per-leaf form, nor
+    under `torch.func` transforms.
     """
     if torch.compiler.is_compiling() or torch._C._functorch.get_interpreter_stack() or not leaves:
         return False
+    inference_mode = torch.is_inference_mode_enabled()
     plain = all(
-        type(x) is torch.Tensor and x.dtype == torch.float32 and x.is_contiguous() and not x.requires_grad
+        type(x) is torch.Tensor
+        and x.dtype == torch.float32
+        and x.is_contiguous()
+        and not x.requires_grad
+        and (inference_mode or not x.is_inference())
         for x in leaves
     )
     # `is_cpu` on a CPU: a property read, where `.device` builds a device object per leaf.

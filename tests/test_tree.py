@@ -1,14 +1,17 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import pytest
 import torch
+import torch.utils._cxx_pytree as cxx_pytree
 from conftest import bits
 from hypothesis import given
 from hypothesis import strategies as st
 
 import fmp
+import fmp._pytree as pytree
 from fmp._donation import select_into
 from fmp._tree import _finite_magnitude
 from fmp._tree import _finite_rows
@@ -204,3 +207,45 @@ def test_unstack_tree_names_a_tree_that_is_not_a_stack() -> None:
         fmp.unstack_tree({"x": 1.0}, 0)
     with pytest.raises(ValueError, match=r"leading sizes differ \(\[2, 3\]\)"):
         fmp.unstack_tree({"a": torch.zeros(2), "b": torch.zeros(3)}, 0)
+
+
+class _Pair(NamedTuple):
+    a: object
+    b: object
+
+
+class _Key(str):
+    """A string key of its own type, which optree keeps in the spec."""
+
+
+def _flattening_cases() -> dict[str, object]:
+    t = [torch.full((i + 1,), float(i)) for i in range(4)]
+    return {
+        "dict": {"w": t[0], "b": t[1], "a": t[2]},  # insertion order, not sorted
+        "dict, keys reordered": {"a": t[2], "w": t[0], "b": t[1]},
+        "empty dict": {},
+        "int keys": {1: t[0], 0: t[1]},
+        "key subclass": {_Key("w"): t[0]},
+        "None value": {"w": t[0], "n": None},
+        "Parameter value": {"w": torch.nn.Parameter(t[0])},
+        "nested dict": {"outer": {"w": t[0]}},
+        "tuple of trees": (t[0], ((), {"w": t[1], "b": t[2]}), [t[3]]),
+        "namedtuple": _Pair(t[0], {"w": t[1]}),
+        "tensor": t[0],
+        "number": 3.0,
+    }
+
+
+@pytest.mark.parametrize("case", list(_flattening_cases()))
+def test_fast_flattening_agrees_with_torchs_cxx_pytree(case: str) -> None:
+    tree = _flattening_cases()[case]
+    for _ in range(2):  # the second time from the cache of dict specs
+        leaves, spec = pytree.tree_flatten(tree)
+        expected_leaves, expected_spec = cxx_pytree.tree_flatten(tree)
+        assert spec == expected_spec and str(spec) == str(expected_spec)
+        assert all(x is y for x, y in zip(leaves, expected_leaves, strict=True))
+        assert all(x is y for x, y in zip(pytree.tree_leaves(tree), expected_leaves, strict=True))
+        rebuilt = pytree.tree_unflatten(leaves, spec)
+        assert cxx_pytree.tree_structure(rebuilt) == expected_spec
+        if isinstance(tree, dict):
+            assert [type(k) for k in rebuilt] == [type(k) for k in tree]

@@ -19,6 +19,7 @@ a per-thread stack, and a mode that is not the innermost one passes its calls th
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
@@ -64,6 +65,7 @@ _redispatch = getattr(torch.overrides, "redispatch_function", None)
 # Modules of Python composites that redispatch cleanly; Tensor's Python methods (torch._tensor)
 # call the C method of the same name, which would come back here forever.
 _COMPOSITE_MODULES = frozenset({"torch.nn.functional", "torch.functional"})
+_IS_CPU = operator.attrgetter("is_cpu")
 
 
 def _call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -379,7 +381,12 @@ def _native_device_type(rules: str | RuleSet) -> str | None:
 
 def _floating_tensors_on(device_type: str, tree: Any) -> bool:
     """Whether `tree` holds floating tensors and all of them are on `device_type`."""
-    floating = [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    leaves = pytree.tree_leaves(tree)
+    # Eager, the usual arguments, plain tensors all on the CPU: one look at each, not three.
+    plain = device_type == "cpu" and not torch.compiler.is_compiling() and set(map(type, leaves)) == {torch.Tensor}
+    if plain and all(map(_IS_CPU, leaves)):
+        return any(map(torch.Tensor.is_floating_point, leaves))
+    floating = [x for x in leaves if isinstance(x, torch.Tensor) and x.is_floating_point()]
     # Property reads, where `.device` builds a device object per leaf; the named rule sets are CPU's and CUDA's.
     if device_type == "cpu":
         return bool(floating) and all(x.is_cpu for x in floating)

@@ -64,6 +64,15 @@ def _like(real: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.view_as_complex(real) if like.is_complex() else real
 
 
+def _operand(number: float, on_cpu: bool) -> float | torch.Tensor:
+    """`number` as the multi-tensor kernels' operand for float32 leaves: a 0-dim float32 tensor on a CPU.
+
+    The CPU kernels wrap a number in a new tensor for each leaf (~1 µs apiece); a float32 tensor
+    of it, made once, is the same operand (a number meets float32 leaves in float32), so the same bits.
+    """
+    return torch.tensor(number, dtype=torch.float32) if on_cpu else number
+
+
 def _check_eps_in_param_dtypes(name: str, eps: float, params: Any, leaves: list[Any]) -> None:
     """Raises unless `eps` is nonzero in every param's dtype, in which Adam adds it to the denominator.
 
@@ -152,8 +161,9 @@ def _adam(
         lr_now = lr_now.double() if isinstance(lr_now, torch.Tensor) else lr_now
         step = state.step + 1
         # torch forms the bias corrections in double precision; so does this, on device.
-        bias_correction1 = 1.0 - torch.pow(beta1, step.double())
-        bias_correction2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, step.double()))
+        step64 = step.double()
+        bias_correction1 = 1.0 - torch.pow(beta1, step64)
+        bias_correction2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, step64))
         # One stacked tensor: Inductor computes it once, where two 0-dim results would be inlined
         # into the update and their pows recomputed for every vector of every parameter (3x slower on CPU).
         scalars = [lr_now / bias_correction1, bias_correction2_sqrt]
@@ -166,28 +176,38 @@ def _adam(
         # Eager, the arithmetic below writes into its own temporaries where it may (the same ops,
         # so the same bits): half the allocations, each a pass over fresh memory. Compiled, Inductor
         # fuses the pure form into one loop; autograd (of a learned lr too) and torch.func need it pure.
-        in_place = writes_in_place(
-            param_leaves, grad_leaves, exp_avg_leaves, exp_avg_sq_leaves, state.step, step_scalars
-        )
-        if not decoupled and weight_decay:
-            grad_leaves = [torch.add(g, p, alpha=weight_decay) for g, p in zip(grad_leaves, param_leaves, strict=True)]
         every = [*param_leaves, *grad_leaves, *exp_avg_leaves, *exp_avg_sq_leaves]
-        if in_place and every and takes_foreach(every, every[0].device):
+        foreach = bool(every) and takes_foreach(every, every[0].device)
+        # Leaves the multi-tensor kernels take are plain tensors that autograd does not track, as
+        # writes_in_place asks of them: one look at each leaf, not two.
+        written = (state.step, step_scalars) if foreach else (*leaves, param_leaves, state.step, step_scalars)
+        in_place = writes_in_place(*written)
+        if not decoupled and weight_decay:
+            # Where the kernels take the leaves, they take these sums of them too.
+            grad_leaves = [torch.add(g, p, alpha=weight_decay) for g, p in zip(grad_leaves, param_leaves, strict=True)]
+        if in_place and foreach:
             # The same ops, one call per op for all leaves instead of one per leaf (the same bits).
+            on_cpu = every[0].is_cpu
             moment1 = list(torch._foreach_lerp(exp_avg_leaves, grad_leaves, 1.0 - beta1))
-            moment2 = list(torch._foreach_mul(exp_avg_sq_leaves, beta2))
+            moment2 = list(torch._foreach_mul(exp_avg_sq_leaves, _operand(beta2, on_cpu)))
             torch._foreach_addcmul_(moment2, grad_leaves, grad_leaves, value=1.0 - beta2)
             scalars32 = step_scalars.float()
             if scheduled_decay:
                 decayed = list(torch._foreach_mul(param_leaves, scalars32[2]))
             elif decoupled and weight_decay:
-                decayed = list(torch._foreach_mul(param_leaves, 1.0 - cast(float, lr_now) * weight_decay))
+                decay = _operand(1.0 - cast(float, lr_now) * weight_decay, on_cpu)
+                decayed = list(torch._foreach_mul(param_leaves, decay))
             else:
                 decayed = param_leaves
             denom = torch._foreach_sqrt(moment2)
             torch._foreach_div_(denom, scalars32[1])
-            torch._foreach_add_(denom, eps)
-            if every[0].is_cpu:
+            eps_operand = _operand(eps, on_cpu)
+            if isinstance(eps_operand, torch.Tensor):
+                # A list of the one tensor: the kernel's single-tensor form wraps it per leaf as it does a number.
+                torch._foreach_add_(denom, [eps_operand] * len(denom))
+            else:
+                torch._foreach_add_(denom, eps_operand)
+            if on_cpu:
                 # As torch.optim's param.addcdiv_(exp_avg, denom, value=-step_size), in one call: the
                 # kernel reads its per-tensor values from a CPU tensor (on CUDA it would have to sync).
                 step_sizes = scalars32[:1].neg().expand(len(param_leaves)).contiguous()
