@@ -16,7 +16,7 @@ import torch.utils._pytree as py_pytree
 
 import fmp._pytree as pytree
 from fmp._checks import check_int
-from fmp._grad import ScalerTree
+from fmp._scale_checks import ScalerTree
 from fmp._struct import pytree_dataclass
 from fmp._struct import replace
 from fmp._struct import serializable_namedtuple

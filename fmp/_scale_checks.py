@@ -18,7 +18,10 @@ from fmp._loss_scale import NoOpLossScale
 from fmp._scale_values import FLOAT32_MAX
 from fmp._scale_values import FLOAT32_TINY
 
-__all__ = ["check_scaler", "check_scaler_values"]
+__all__ = ["ScalerTree", "check_scaler", "check_scaler_values", "check_scalers"]
+
+ScalerTree = LossScale | tuple[LossScale, ...]
+"""One loss-scale state, or a tuple of them, one per loss."""
 
 _INT32_MAX = torch.iinfo(torch.int32).max
 
@@ -111,3 +114,22 @@ def check_scaler_values(scaler: Any, name: str = "scaler") -> None:
                 _refuse(name, kind, field, f"must lie in [0, {top}], got {counter.tolist()}")
     if not scale.is_meta and not bool((torch.isfinite(scale) & (scale >= low) & (scale <= high)).all()):
         _refuse(name, kind, "loss_scale", f"must be a finite scale in [{low}, {high}], got {scale.tolist()}")
+
+
+def check_scalers(scaler: Any) -> None:
+    """Raises a TypeError unless `scaler` is a loss-scale state or a non-empty tuple of them."""
+    if isinstance(scaler, tuple):
+        if not scaler:
+            raise TypeError("scaler is an empty tuple; pass one loss-scale state per loss")
+        for index, item in enumerate(scaler):
+            if not isinstance(item, LossScale):
+                raise TypeError(
+                    f"scaler[{index}] must be an fmp loss-scale state (e.g. DynamicLossScale.create()), "
+                    f"got {type(item).__name__}"
+                )
+            try:
+                check_scaler(item)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"scaler[{index}]: {error}") from None
+        return
+    check_scaler(scaler)

@@ -12,11 +12,11 @@ import fmp._pytree as pytree
 from fmp._accumulate import GradientAccumulator
 from fmp._checks import check_int
 from fmp._delayed_scaling import check_fp8_states
-from fmp._grad import ScalerTree
-from fmp._grad import check_param_leaves
-from fmp._grad import check_scalers
+from fmp._grad_checks import check_param_leaves
 from fmp._optimizer import Optimizer
+from fmp._scale_checks import ScalerTree
 from fmp._scale_checks import check_scaler_values
+from fmp._scale_checks import check_scalers
 from fmp._struct import serializable_namedtuple
 from fmp._tree import check_on_device
 from fmp._tree import tree_accelerator_device

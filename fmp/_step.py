@@ -32,9 +32,8 @@ from fmp._fp8_step import has_fp8_states
 from fmp._fp8_step import with_fp8_scales
 from fmp._grad import Gradients
 from fmp._grad import LossFn
-from fmp._grad import ScalerTree
-from fmp._grad import check_grad_arguments
 from fmp._grad import differentiate
+from fmp._grad_checks import check_grad_arguments
 from fmp._loss_scale import DynamicLossScale
 from fmp._loss_scale import LossScale
 from fmp._loss_scale import scale_in_range
@@ -44,6 +43,7 @@ from fmp._model_state import settle_model_state
 from fmp._norm import global_norm
 from fmp._optimizer import Optimizer
 from fmp._policy import Policy
+from fmp._scale_checks import ScalerTree
 from fmp._scaler import adjust_each
 from fmp._scaler import loss_scales
 from fmp._scaler import per_loss

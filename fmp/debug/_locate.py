@@ -19,10 +19,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from fmp._backward import check_reads_no_module_parameters
 from fmp._checks import check_bool
-from fmp._grad import check_params
-from fmp._grad import check_reads_no_module_parameters
 from fmp._grad import with_policy
+from fmp._grad_checks import check_params
 from fmp._loss_scale import LossScale
 from fmp._loss_scale import NoOpLossScale
 from fmp._policy import Policy

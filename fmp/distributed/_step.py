@@ -12,13 +12,13 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from fmp._grad import LossFn
-from fmp._grad import ScalerTree
-from fmp._grad import check_scalers
 from fmp._loss_scale import LossScale
 from fmp._loss_scale import NoOpLossScale
 from fmp._optimizer import Optimizer
 from fmp._policy import Policy
+from fmp._scale_checks import ScalerTree
 from fmp._scale_checks import check_scaler
+from fmp._scale_checks import check_scalers
 from fmp._scaler import Unscaled
 from fmp._scaler import unscale
 from fmp._state import TrainState
