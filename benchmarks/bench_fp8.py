@@ -1,4 +1,8 @@
-"""Step time and loss of fmp.train_step with the zoo's Llama's linear layers in FP8 against bfloat16.
+"""Step time and loss of fmp.train_step with a language model's linear layers in FP8 against bfloat16.
+
+The model: the zoo's Llama (`--model llama`, the default) or the transformer example's GPT
+(`--model gpt`, examples/transformer_lm.py's, at its default sizes on a CPU, on its synthetic
+sequences).
 
 Every row trains its own copy of the model from the same weights on the same batches with AdamW
 under the bfloat16 policy; the FP8 rows put every `nn.Linear` (attention, MLP and the head) on a
@@ -17,7 +21,7 @@ On a CPU torch only emulates FP8 matmuls (the FP8 operands are multiplied as flo
 costs time there; the numerics are those of the hardware. On a GPU with FP8 tensor cores (H100),
 at `--device cuda`'s matmul-bound size, per-tensor and rowwise scales run on `torch._scaled_mm`.
 
-    python benchmarks/bench_fp8.py [--device cuda] [--steps 10 --rounds 5] [--compiled]
+    python benchmarks/bench_fp8.py [--model gpt] [--device cuda] [--steps 10 --rounds 5] [--compiled]
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from _common import describe_machine
 from _common import synchronize
 from torch import nn
@@ -41,6 +46,7 @@ import fmp
 import fmp.fp8 as f8
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import transformer_lm
 import zoo
 
 # (build sizes, batch sizes) per device type: CPU small; CUDA large enough that the matmuls dominate.
@@ -51,6 +57,41 @@ SIZES = {
         {"batch_size": 64, "seq_len": 128, "vocab": 8192},
     ),
 }
+# The transformer example's GPT: its own defaults on a CPU (add_model_arguments), matmul-bound on CUDA.
+GPT_SIZES = {
+    "cpu": {"vocab": 64, "length": 32, "width": 64, "layers": 2, "heads": 4, "batch": 16},
+    "cuda": {"vocab": 8192, "length": 128, "width": 2048, "layers": 4, "heads": 16, "batch": 64},
+}
+
+
+class GPTLoss(nn.Module):
+    """The example's GPT and its next-token loss: a batch (tokens, targets) gives the loss, as the zoo's models do."""
+
+    def __init__(self, sizes: dict[str, int]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gpt = transformer_lm.GPT(sizes["vocab"], sizes["length"], sizes["width"], sizes["layers"], sizes["heads"])
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.gpt(tokens).flatten(0, 1).float(), targets.flatten())
+
+
+def model_and_batches(name: str, device: torch.device, steps: int) -> tuple[Callable[[], nn.Module], list[Any], str]:
+    """A builder of fresh copies of the model (the same weights each time), its batches and a line describing them."""
+    if name == "gpt":
+        sizes = GPT_SIZES[device.type]
+        data = transformer_lm.synthetic_batches(
+            sizes["vocab"], sizes["length"], sizes["batch"], steps, noise=0.1, seed=1
+        )
+        batches = [tuple(t.to(device) for t in batch) for batch in data]
+        return lambda: GPTLoss(sizes).to(device).train(), batches, f"the transformer example's GPT, {sizes}"
+    build_sizes, batch_sizes = SIZES[device.type]
+    case = zoo.case("llama")
+    generator = torch.Generator().manual_seed(1)
+    batches = [tuple(t.to(device) for t in case.batch(generator, **batch_sizes)) for _ in range(steps)]
+    return lambda: case.build(**build_sizes).to(device).train(), batches, f"llama, {build_sizes | batch_sizes}"
+
+
 # DeepSeek-V3's 128 blocks need features of 128 and more: the CPU size's are 64.
 BLOCK = {"cpu": 32, "cuda": 128}
 POLICY = fmp.get_policy("params=float32,compute=bfloat16,output=float32")
@@ -105,15 +146,13 @@ def torchao_contender(model: nn.Module, compiled: bool) -> tuple[Callable[..., A
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--model", default="llama", choices=["llama", "gpt"])
     parser.add_argument("--steps", type=int, default=10, help="steps per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--compiled", action="store_true", help="compile every row's whole step")
     args = parser.parse_args()
     device = torch.device(args.device)
-    build_sizes, batch_sizes = SIZES[device.type]
-    case = zoo.case("llama")
-    generator = torch.Generator().manual_seed(1)
-    batches = [tuple(t.to(device) for t in case.batch(generator, **batch_sizes)) for _ in range(args.steps)]
+    build, batches, described = model_and_batches(args.model, device, args.steps)
     recipes: dict[str, Any] = {
         "bfloat16": None,
         "fp8 delayed": f8.delayed(),
@@ -124,12 +163,10 @@ def main() -> None:
     }
     rows = {}
     for label, recipe in recipes.items():
-        model = case.build(**build_sizes).to(device).train()
-        rows[label] = contender(model, recipe, args.compiled)
+        rows[label] = contender(build(), recipe, args.compiled)
     if importlib.util.find_spec("torchao") is not None:
-        fresh = case.build(**build_sizes).to(device).train()
-        rows["fp8 tensorwise, f32"] = contender(fresh, f8.tensorwise(), args.compiled, FLOAT32)
-        rows["torchao float8, f32"] = torchao_contender(case.build(**build_sizes).to(device).train(), args.compiled)
+        rows["fp8 tensorwise, f32"] = contender(build(), f8.tensorwise(), args.compiled, FLOAT32)
+        rows["torchao float8, f32"] = torchao_contender(build(), args.compiled)
     times: dict[str, list[float]] = {label: [] for label in rows}
     losses: dict[str, float] = {}
     for step, _ in rows.values():  # warm-up (compiles)
@@ -145,11 +182,10 @@ def main() -> None:
             synchronize(device)
             times[label].append((time.perf_counter() - start) / len(batches))
             losses[label] = float(loss)
-    n_params = sum(p.numel() for p in case.build(**build_sizes).parameters())
+    n_params = sum(p.numel() for p in build().parameters())
     mode = "compiled" if args.compiled else "eager"
     print(describe_machine(device))
-    sizes = build_sizes | batch_sizes
-    print(f"llama {n_params / 1e6:.1f} M params, {sizes}, {mode}, {args.steps} steps x {args.rounds} rounds")
+    print(f"{described}: {n_params / 1e6:.1f} M params, {mode}, {args.steps} steps x {args.rounds} rounds")
     base = statistics.median(times["bfloat16"])
     print(f"  {'row':>18}  {'ms/step':>8}  {'ratio':>5}  {'last loss':>9}")
     for label in rows:
