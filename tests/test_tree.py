@@ -249,3 +249,26 @@ def test_fast_flattening_agrees_with_torchs_cxx_pytree(case: str) -> None:
         assert cxx_pytree.tree_structure(rebuilt) == expected_spec
         if isinstance(tree, dict):
             assert [type(k) for k in rebuilt] == [type(k) for k in tree]
+
+
+_tensors = st.builds(torch.zeros, st.just(1))  # distinct tensors: the leaves' order shows
+_trees = st.recursive(
+    st.one_of(_tensors, st.sampled_from([None, 1.0])),
+    lambda children: st.one_of(
+        st.dictionaries(st.text(max_size=3), _tensors, max_size=5),  # the shortcut's case: tensors only
+        st.dictionaries(st.text(max_size=3), children, max_size=4),
+        st.lists(children, max_size=3),
+        st.lists(children, max_size=3).map(tuple),
+    ),
+    max_leaves=12,
+)
+
+
+@given(_trees)
+def test_fast_flattening_agrees_with_torchs_cxx_pytree_on_any_nesting(tree: object) -> None:
+    for _ in range(2):  # the second time from the cache of dict specs
+        leaves, spec = pytree.tree_flatten(tree)
+        expected_leaves, expected_spec = cxx_pytree.tree_flatten(tree)
+        assert spec == expected_spec
+        expected = [id(x) for x in expected_leaves]
+        assert [id(x) for x in leaves] == expected and [id(x) for x in pytree.tree_leaves(tree)] == expected
