@@ -5,7 +5,7 @@ global registry when its autocast exits. Here the history and the scales are the
 `DelayedScalingState`, one per FP8 linear layer, and `state.update(amaxes)` returns the next
 state: no buffers, no registry, no host sync, so it compiles, vmaps over an ensemble, and saves
 and loads with every other state. `fmp.train_step` updates the states in `TrainState.fp8` (see
-`fp8_gradients`).
+`fmp._fp8_step`).
 
 The update, per tensor (a linear's input, weight and output gradient), for a history of length L
 whose row 0 is this step's slot:

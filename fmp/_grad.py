@@ -65,12 +65,9 @@ class Gradients(NamedTuple):
     amaxes: Any = ()
 
 
-def _tree_sum(trees: list[Any]) -> Any:
-    return pytree.tree_map(lambda *xs: functools.reduce(torch.add, xs), *trees)
-
-
-def _tree_max(trees: list[Any]) -> Any:
-    return pytree.tree_map(lambda *xs: functools.reduce(torch.maximum, xs), *trees)
+def _combined(trees: list[Any], op: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Any:
+    """The trees' leaves combined leaf by leaf with `op` (`torch.add`: their sum)."""
+    return pytree.tree_map(lambda *xs: functools.reduce(op, xs), *trees)
 
 
 def with_policy(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
@@ -230,9 +227,9 @@ def differentiate(
     check_reads_no_module_parameters(loss, args)
     if fp8_scales:
         # Each pass quantized its own output gradients: the scale must cover the largest of them.
-        grads = (_tree_sum([g for g, _ in per_loss]), _tree_max([a for _, a in per_loss]))
+        grads = (_combined([g for g, _ in per_loss], torch.add), _combined([a for _, a in per_loss], torch.maximum))
     else:
-        grads = _tree_sum(per_loss)
+        grads = _combined(per_loss, torch.add)
     # The sum is non-finite whenever a part is, and also when finite parts overflow on adding;
     # then no loss is to blame alone and every scale backs off.
     # With one loss the sum is that loss's gradients; with several, new tensors of the step's own.

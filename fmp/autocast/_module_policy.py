@@ -151,10 +151,8 @@ def matched_modules(model: nn.Module, mapping: Mapping[Any, T]) -> list[tuple[st
     matched = []
     for module, names in aliases.values():
         for key, value in mapping.items():
-            if isinstance(key, str) and any(fnmatch.fnmatchcase(name, key) for name in names):
-                matched.append((names[0], module, value))
-                break
-            if isinstance(key, type) and isinstance(module, key):
+            by_name = isinstance(key, str) and any(fnmatch.fnmatchcase(name, key) for name in names)
+            if by_name or (isinstance(key, type) and isinstance(module, key)):
                 matched.append((names[0], module, value))
                 break
     return matched

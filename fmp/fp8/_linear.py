@@ -181,23 +181,25 @@ def _backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
     """`_Fp8Linear`'s backward: the gradients of the input, weight and (delayed scaling) scales."""
     recipe, (x_dtype, weight_dtype) = ctx.recipe, ctx.dtypes
     *saved, scales, loss_scale = ctx.saved_tensors
-    pair = None if scales is None or loss_scale is None else (scales, loss_scale)
-    grad_scales = None
     if _per_tensor(recipe):
+        pair = None if scales is None or loss_scale is None else (scales, loss_scale)
         x_data, x_scale, wt_data, wt_scale, *forward_amaxes = saved
         qx, qwt = Quantized(x_data, x_scale), Quantized(wt_data, wt_scale)
         qg = _quantize(recipe, grad_output, "grad_output", 1, pair)
         grad_x = _multiply(recipe, qg, _transposed(qwt), x_dtype)
         grad_w = _multiply(recipe, _transposed(qg), qx, weight_dtype)
-        if scales is not None:
-            grad_scales = _scales_gradient(forward_amaxes[0], grad_output, loss_scale, scales.dtype)
-        return grad_x, grad_w, grad_scales, None, None
+        if scales is None:
+            return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, _scales_gradient(forward_amaxes[0], grad_output, loss_scale, scales.dtype), None, None
+    # Scales along the contracted dim (rowwise, blocks): from the saved input and weight again.
+    # Delayed scaling is per tensor, so these recipes take no scales.
+    assert isinstance(recipe, Fp8Recipe)
     x, weight = saved
-    grad_x = _matmul(recipe, (grad_output, "grad_output"), (weight, "weight"), x_dtype, pair)
-    if getattr(recipe, "high_precision_weight_grad", False):
+    grad_x = _matmul(recipe, (grad_output, "grad_output"), (weight, "weight"), x_dtype, None)
+    if recipe.high_precision_weight_grad:
         grad_w = (grad_output.t() @ x.to(grad_output.dtype)).to(weight_dtype)
     else:
-        grad_w = _matmul(recipe, (grad_output.t(), "grad_output"), (x, "input"), weight_dtype, pair)
+        grad_w = _matmul(recipe, (grad_output.t(), "grad_output"), (x, "input"), weight_dtype, None)
     return grad_x, grad_w, None, None, None
 
 
