@@ -107,7 +107,7 @@ class GradientAccumulator:
         """Raises a ValueError naming the first key, shape or device where `grads` differs from the sums."""
         sum_leaves, spec = pytree.tree_flatten(self.grads)
         try:
-            grad_leaves = spec.flatten_up_to(grads)
+            grad_leaves = pytree.flatten_up_to(spec, grads)
         except (TypeError, ValueError):
             raise ValueError(
                 f"GradientAccumulator.add: grads have another structure than the accumulator's sums, "
@@ -148,8 +148,8 @@ class GradientAccumulator:
         ours, theirs = pytree.tree_structure(self.finite_per_loss), pytree.tree_structure(finite_per_loss)
         if ours != theirs:
             raise ValueError(
-                f"the accumulator was made for {ours.num_leaves} loss-scale "
-                f"state(s) but finite_per_loss holds {theirs.num_leaves}: rebuild it with TrainState.create"
+                f"the accumulator was made for {pytree.num_leaves(ours)} loss-scale "
+                f"state(s) but finite_per_loss holds {pytree.num_leaves(theirs)}: rebuild it with TrainState.create"
             )
         for index, flag in enumerate(pytree.tree_leaves(finite_per_loss)):
             check_finite_flag(flag, f"finite_per_loss[{index}]")

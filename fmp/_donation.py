@@ -37,8 +37,8 @@ def check_distinct(donated: Any, name: str) -> list[Any]:
 
     Leaves are compared with `is` within groups of equal shape, dtype and device (only those can be
     one tensor): Dynamo traces `is` without a guard, where `id()` would guard on each tensor's
-    identity and recompile for every new set of tensors. Eager, a set of ids answers first, and
-    the paths are only spelled out for the message.
+    identity and recompile for every new set of tensors. Eager, a set of ids answers first. The
+    paths are only spelled out for the message.
 
     Returns:
         `donated`'s leaves, for the caller's further looks at them (a list of them is a tree too).
@@ -48,19 +48,19 @@ def check_distinct(donated: Any, name: str) -> list[Any]:
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         if len({id(leaf) for leaf in tensors}) == len(tensors):
             return leaves
-    groups: dict[tuple[Any, ...], list[tuple[str, torch.Tensor]]] = {}
-    for path, leaf in py_pytree.tree_flatten_with_path(donated)[0]:
+    groups: dict[tuple[Any, ...], list[tuple[int, torch.Tensor]]] = {}
+    for index, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor):
             continue
-        where = f"{name}{py_pytree.keystr(path)}"
         group = groups.setdefault((tuple(leaf.shape), leaf.dtype, leaf.device), [])
-        for other_where, other in group:
+        for other_index, other in group:
             if other is leaf:
+                paths = [f"{name}{py_pytree.keystr(path)}" for path, _ in py_pytree.tree_flatten_with_path(donated)[0]]
                 raise ValueError(
-                    f"donate=True needs distinct tensors, but {other_where} and {where} are one tensor "
-                    f"(tied weights listed twice?): the step would write two updates into one buffer"
+                    f"donate=True needs distinct tensors, but {paths[other_index]} and {paths[index]} are one "
+                    f"tensor (tied weights listed twice?): the step would write two updates into one buffer"
                 )
-        group.append((where, leaf))
+        group.append((index, leaf))
     return leaves
 
 

@@ -8,6 +8,9 @@ such a container for a leaf. So before each traversal the Python registry's size
 the count already mirrored (one `len`), and newly registered types are mirrored into the C++ one.
 Key paths (for error messages) stay with `torch.utils._pytree`, which has them.
 
+Traced by Dynamo, the functions walk the tree with `fmp._traced_tree`, whose specs are tuples;
+`tree_unflatten`, `flatten_up_to` and `num_leaves` take either kind of spec.
+
 optree spends ~0.2 µs a leaf (a registry lookup for each), and a step flattens its params,
 gradients, optimizer moments and buffers several times: dicts of tensors keyed by names. Such a
 dict flattens to its values in insertion order (torch orders dicts so in its namespace), so eager
@@ -26,9 +29,21 @@ import torch
 import torch.utils._cxx_pytree as cxx_pytree
 import torch.utils._pytree as python_pytree
 
-__all__ = ["TreeSpec", "tree_flatten", "tree_iter", "tree_leaves", "tree_map", "tree_structure", "tree_unflatten"]
+from fmp import _traced_tree as traced
 
-TreeSpec = cxx_pytree.TreeSpec
+__all__ = [
+    "TreeSpec",
+    "flatten_up_to",
+    "num_leaves",
+    "tree_flatten",
+    "tree_iter",
+    "tree_leaves",
+    "tree_map",
+    "tree_structure",
+    "tree_unflatten",
+]
+
+TreeSpec = Any  # optree's `PyTreeSpec`, or in traced code `fmp._traced_tree`'s nested tuples
 
 _mirrored = 0  # how many entries of the Python registry have been looked at
 
@@ -76,7 +91,10 @@ def _tensor_dict_flatten(tree: Any) -> tuple[list[Any], TreeSpec] | None:
 
 def tree_flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[Any], TreeSpec]:
     """`torch.utils._pytree.tree_flatten`, in C++."""
-    flat = None if is_leaf is not None else _tensor_dict_flatten(tree)
+    if torch.compiler.is_compiling():
+        flat = traced.flatten(tree, is_leaf)
+    else:
+        flat = None if is_leaf is not None else _tensor_dict_flatten(tree)
     if flat is not None:
         return flat
     _mirror_registry()
@@ -107,7 +125,11 @@ def _plain_leaves(tree: Any) -> list[Any] | None:
 
 def tree_leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[Any]:
     """`torch.utils._pytree.tree_leaves`, in C++."""
-    leaves = None if is_leaf is not None or torch.compiler.is_compiling() else _plain_leaves(tree)
+    if torch.compiler.is_compiling():
+        flat = traced.flatten(tree, is_leaf)
+        leaves = None if flat is None else flat[0]
+    else:
+        leaves = None if is_leaf is not None else _plain_leaves(tree)
     if leaves is not None:
         return leaves
     _mirror_registry()
@@ -116,22 +138,52 @@ def tree_leaves(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list
 
 def tree_iter(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> Iterable[Any]:
     """`torch.utils._pytree.tree_iter`, in C++."""
+    if torch.compiler.is_compiling():
+        return iter(tree_leaves(tree, is_leaf))
     _mirror_registry()
     return cxx_pytree.tree_iter(tree, is_leaf=is_leaf)
 
 
 def tree_map(func: Callable[..., Any], tree: Any, *rests: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
     """`torch.utils._pytree.tree_map`, in C++."""
+    flat = traced.flatten(tree, is_leaf) if torch.compiler.is_compiling() else None
+    if flat is not None:
+        leaves, spec = flat
+        others = [traced.flatten_up_to(spec, rest) for rest in rests]
+        return traced.unflatten([func(*xs) for xs in zip(leaves, *others, strict=True)], spec)
     _mirror_registry()
     return cxx_pytree.tree_map(func, tree, *rests, is_leaf=is_leaf)
 
 
 def tree_structure(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> TreeSpec:
     """`torch.utils._pytree.tree_structure`, in C++."""
+    flat = traced.flatten(tree, is_leaf) if torch.compiler.is_compiling() else None
+    if flat is not None:
+        return flat[1]
     _mirror_registry()
     return cxx_pytree.tree_structure(tree, is_leaf=is_leaf)
 
 
 def tree_unflatten(leaves: Iterable[Any], treespec: TreeSpec) -> Any:
     """`torch.utils._pytree.tree_unflatten`, in C++."""
+    if traced.is_spec(treespec):
+        return traced.unflatten(list(leaves), treespec)
     return cxx_pytree.tree_unflatten(leaves, treespec)
+
+
+def flatten_up_to(treespec: TreeSpec, tree: Any) -> list[Any]:
+    """`treespec.flatten_up_to(tree)`: the subtrees of `tree` at the spec's leaves, for either kind of spec.
+
+    Raises:
+        ValueError: If `tree` does not have the spec's structure down to its leaves.
+    """
+    if traced.is_spec(treespec):
+        return traced.flatten_up_to(treespec, tree)
+    subtrees: list[Any] = treespec.flatten_up_to(tree)
+    return subtrees
+
+
+def num_leaves(treespec: TreeSpec) -> int:
+    """How many leaves a tree of `treespec` has, for either kind of spec."""
+    count: int = traced.num_leaves(treespec) if traced.is_spec(treespec) else treespec.num_leaves
+    return count

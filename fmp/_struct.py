@@ -32,6 +32,7 @@ __all__ = [
     "OPTREE_NAMESPACE",
     "ZERO_PADDED",
     "current_name",
+    "dataclass_fields",
     "pytree_dataclass",
     "replace",
     "resolve_annotations",
@@ -45,6 +46,7 @@ OPTREE_NAMESPACE = "fmp"
 
 _STATIC = "fmp_static"
 _FIELD_NAMES = "_fmp_field_names"
+_PYTREE_FIELDS = "_fmp_pytree_fields"
 
 T = TypeVar("T")
 
@@ -222,6 +224,12 @@ def replace(obj: T, **changes: Any) -> T:
     return type(obj)(**{name: changes[name] if name in changes else getattr(obj, name) for name in names})
 
 
+def dataclass_fields(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """`(leaf field names, static field names)` of a `pytree_dataclass` (not of a subclass of one), else None."""
+    owner, leaf_names, static_names = getattr(cls, _PYTREE_FIELDS, (None, (), ()))
+    return (leaf_names, static_names) if owner is cls else None
+
+
 @dataclass_transform(frozen_default=True, eq_default=False, field_specifiers=(dataclasses.field, static_field))
 def pytree_dataclass(cls: type[T]) -> type[T]:
     """Makes `cls` a frozen dataclass registered as a pytree node with torch and optree.
@@ -239,6 +247,7 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
     leaf_names = tuple(f.name for f in fields if not f.metadata.get(_STATIC, False))
     static_names = tuple(f.name for f in fields if f.metadata.get(_STATIC, False))
     setattr(data_cls, _FIELD_NAMES, (data_cls, tuple(f.name for f in fields)))
+    setattr(data_cls, _PYTREE_FIELDS, (data_cls, leaf_names, static_names))
     _name_publicly(data_cls)  # after dataclass(), which resolves annotations in the defining module
 
     def flatten(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:

@@ -100,7 +100,7 @@ def leaves_like_params(
         own_specs.append(None if spec == param_spec else spec)
         if own_specs[-1] is not None:
             try:  # the same keys, in another dict order (as tree_map takes them): the params' order
-                leaves = param_spec.flatten_up_to(tree)
+                leaves = pytree.flatten_up_to(param_spec, tree)
             except (ValueError, TypeError):
                 difference = _first_difference(params, tree, what)
                 raise ValueError(f"{name}: {what} must have the params' structure, but {difference}{hint}") from None
@@ -152,7 +152,7 @@ def unflatten_as(leaves: list[Any], param_spec: pytree.TreeSpec, spec: pytree.Tr
     that keeps the old state leaf by leaf (a skipped one) finds the two alike.
     """
     tree = pytree.tree_unflatten(leaves, param_spec)
-    return tree if spec is None else pytree.tree_unflatten(spec.flatten_up_to(tree), spec)
+    return tree if spec is None else pytree.tree_unflatten(pytree.flatten_up_to(spec, tree), spec)
 
 
 def _first_difference(params: Any, tree: Any, what: str) -> str:

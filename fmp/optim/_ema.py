@@ -92,7 +92,7 @@ def ema(optimizer: Optimizer, decay: float = 0.999) -> Optimizer:
         average_leaves, average_spec = pytree.tree_flatten(state.average)
         if average_spec != spec:
             try:  # the same keys in another dict order: taken key by key, and kept in the state's order
-                average_leaves = spec.flatten_up_to(state.average)
+                average_leaves = pytree.flatten_up_to(spec, state.average)
             except (TypeError, ValueError):
                 raise ValueError(
                     f"ema: opt_state.average must have the params' structure, got {average_spec} for params "
