@@ -51,13 +51,20 @@ param's squares, so that a step is nearly all machinery (the scaler, the optimiz
 checks and bookkeeping over that model's tensors): it times what the library adds to a step, with
 the eager rows only, and far less noise than the model's own time carries on a shared machine.
 
+--skip-guards times the rounds (after the warm-up steps) under
+torch.compiler.set_stance("default", skip_guard_eval_unsafe=True): every compiled row, torch.amp's
+included, then runs its graph without Dynamo's guard check before each call (safe here: the same
+models and batch shapes throughout).
+
     python benchmarks/bench_models.py [--device cuda] [--models gpt2 llama] [--steps 10 --rounds 5]
-                                      [--interleave] [--machinery] [--threads 2] [--json results.json]
+                                      [--interleave] [--machinery] [--skip-guards] [--threads 2]
+                                      [--json results.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -283,7 +290,14 @@ def cpu_peaks(name: str, dtype: torch.dtype, machinery: bool) -> dict[str, int]:
 
 
 def run_model(
-    name: str, device: torch.device, dtype: torch.dtype, steps: int, rounds: int, interleave: bool, machinery: bool
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    steps: int,
+    rounds: int,
+    interleave: bool,
+    machinery: bool,
+    skip_guards: bool = False,
 ) -> dict[str, Any]:
     torch._dynamo.reset()  # the last model's graphs would count against the recompile limit
     zoo_case = zoo.case(name)
@@ -295,18 +309,22 @@ def run_model(
         contender.first_call = run_steps(contender, batches[:1], device)
         run_steps(contender, batches[1:2], device)
     labels = list(contenders)
-    for index in range(rounds):
-        order = labels[index % len(labels) :] + labels[: index % len(labels)]
-        if not interleave:
+    stance = (
+        torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if skip_guards else contextlib.nullcontext()
+    )
+    with stance:
+        for index in range(rounds):
+            order = labels[index % len(labels) :] + labels[: index % len(labels)]
+            if not interleave:
+                for label in order:
+                    contenders[label].times.append(run_steps(contenders[label], batches, device))
+                continue
+            spent = dict.fromkeys(order, 0.0)
+            for batch in batches:  # one step each in turn
+                for label in order:
+                    spent[label] += run_steps(contenders[label], [batch], device)
             for label in order:
-                contenders[label].times.append(run_steps(contenders[label], batches, device))
-            continue
-        spent = dict.fromkeys(order, 0.0)
-        for batch in batches:  # one step each in turn
-            for label in order:
-                spent[label] += run_steps(contenders[label], [batch], device)
-        for label in order:
-            contenders[label].times.append(spent[label] / len(batches))
+                contenders[label].times.append(spent[label] / len(batches))
     if device.type == "cuda":
         peaks = {label: gpu_peak_bytes(c, batches[0], device) for label, c in contenders.items()}
     else:
@@ -362,6 +380,11 @@ def main() -> None:
         action="store_true",
         help="eager rows only, each model's forward replaced by the sum of its params' squares",
     )
+    parser.add_argument(
+        "--skip-guards",
+        action="store_true",
+        help="time the rounds under torch.compiler.set_stance(skip_guard_eval_unsafe=True)",
+    )
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (CPU)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], help="compute dtype (bfloat16 CPU, float16 CUDA)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -377,7 +400,7 @@ def main() -> None:
     print(describe_machine(device) + f", compute {str(dtype).removeprefix('torch.')}")
     print("ratio: time over torch.amp eager (eager rows; fused over fused) or compiled (compiled rows)")
     results = {
-        name: run_model(name, device, dtype, args.steps, args.rounds, args.interleave, args.machinery)
+        name: run_model(name, device, dtype, args.steps, args.rounds, args.interleave, args.machinery, args.skip_guards)
         for name in args.models
     }
     if args.json:
