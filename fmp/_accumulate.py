@@ -111,7 +111,8 @@ class GradientAccumulator:
         except (TypeError, ValueError):
             raise ValueError(
                 f"GradientAccumulator.add: grads have another structure than the accumulator's sums, "
-                f"{pytree.tree_structure(grads)} vs {spec}: was it made for other params?"
+                f"{pytree.spec_str(pytree.tree_structure(grads))} vs {pytree.spec_str(spec)}: "
+                f"was it made for other params?"
             ) from None
         for index, (total, grad) in enumerate(zip(sum_leaves, grad_leaves, strict=True)):
             if not (isinstance(grad, torch.Tensor) and grad.shape == total.shape):

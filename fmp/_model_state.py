@@ -63,7 +63,8 @@ def _check_like(new_model_state: Any, model_state: Any, leaves: list[torch.Tenso
     new_leaves, new_spec = pytree.tree_flatten(new_model_state)
     if new_spec != spec:
         raise TypeError(
-            f"loss_fn's new_model_state must have the structure of state.model_state: expected {spec}, got {new_spec}"
+            f"loss_fn's new_model_state must have the structure of state.model_state: "
+            f"expected {pytree.spec_str(spec)}, got {pytree.spec_str(new_spec)}"
         )
     for index, (new, old) in enumerate(zip(new_leaves, leaves, strict=True)):
         if isinstance(new, torch.Tensor) and new.shape == old.shape:

@@ -35,6 +35,7 @@ __all__ = [
     "TreeSpec",
     "flatten_up_to",
     "num_leaves",
+    "spec_str",
     "tree_flatten",
     "tree_iter",
     "tree_leaves",
@@ -187,3 +188,8 @@ def num_leaves(treespec: TreeSpec) -> int:
     """How many leaves a tree of `treespec` has, for either kind of spec."""
     count: int = traced.num_leaves(treespec) if traced.is_spec(treespec) else treespec.num_leaves
     return count
+
+
+def spec_str(treespec: TreeSpec) -> str:
+    """`treespec` in words for messages, for either kind of spec."""
+    return traced.describe(treespec) if traced.is_spec(treespec) else str(treespec)

@@ -19,6 +19,7 @@ Specs compare by value, as optree's do: two dicts with the same keys in another 
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from collections.abc import Iterator
 from typing import Any
@@ -29,13 +30,14 @@ from torch import nn
 
 from fmp._struct import dataclass_fields
 
-__all__ = ["LEAF", "Spec", "flatten", "flatten_up_to", "is_spec", "num_leaves", "unflatten"]
+__all__ = ["LEAF", "Spec", "describe", "flatten", "flatten_up_to", "is_spec", "num_leaves", "unflatten"]
 
 Spec = tuple[Any, ...]  # () for a leaf, else (type, context, tuple of specs, leaf count)
 LEAF: Spec = ()
 
 _OTHER: Any = object()  # what `_flatten` returns for a node this walk leaves to optree
 _LEAF_TENSORS = (torch.Tensor, nn.Parameter)
+_DICT_KINDS = (dict, collections.OrderedDict, collections.defaultdict)
 
 
 def _node_kind(node: Any) -> tuple[type, Any, list[Any]] | None:
@@ -51,8 +53,8 @@ def _node_kind(node: Any) -> tuple[type, Any, list[Any]] | None:
     if fields is not None:
         leaf_names, static_names = fields
         return kind, tuple(getattr(node, name) for name in static_names), [getattr(node, n) for n in leaf_names]
-    if issubclass(kind, tuple) and kind.__bases__ == (tuple,) and hasattr(kind, "_fields"):
-        return kind, None, list(node)  # a namedtuple
+    if issubclass(kind, tuple) and kind.__bases__ == (tuple,) and python_pytree.is_namedtuple_class(kind):
+        return kind, None, list(node)
     if kind in python_pytree.SUPPORTED_NODES or issubclass(kind, (dict, list, tuple)):
         return _OTHER  # type: ignore[no-any-return]
     return None
@@ -139,7 +141,8 @@ def _up_to(spec: Spec, node: Any, found: list[Any]) -> None:
         found.append(node)
         return
     kind, context, children, _ = spec
-    if type(node) is not kind:
+    # optree takes an OrderedDict or a defaultdict where the spec has a dict, key by key.
+    if type(node) is not kind and not (kind is dict and type(node) in _DICT_KINDS):
         raise ValueError(f"expected a {kind.__name__}, got a {type(node).__name__}")
     if kind is dict:
         if len(node) != len(context) or any(key not in node for key in context):
@@ -163,3 +166,18 @@ def flatten_up_to(spec: Spec, tree: Any) -> list[Any]:
     found: list[Any] = []
     _up_to(spec, tree, found)
     return found
+
+
+def describe(spec: Spec) -> str:
+    """`spec` in words for messages, as optree writes its specs: `*` for a leaf, `{'w': *, 'b': [*, *]}`."""
+    if not spec:
+        return "*"
+    kind, context, children, _ = spec
+    inner = [describe(child) for child in children]
+    if kind is dict:
+        return "{" + ", ".join(f"{key!r}: {text}" for key, text in zip(context, inner, strict=True)) + "}"
+    if kind is list:
+        return "[" + ", ".join(inner) + "]"
+    if kind is tuple:
+        return "(" + ", ".join(inner) + ("," if len(inner) == 1 else "") + ")"
+    return f"{kind.__name__}(" + ", ".join(inner) + ")"

@@ -341,7 +341,10 @@ def selectable_pairs(pred: torch.Tensor, on_true: Any, on_false: Any) -> tuple[p
     true_leaves, true_spec = pytree.tree_flatten(on_true)
     false_leaves, false_spec = pytree.tree_flatten(on_false)
     if true_spec != false_spec:
-        raise ValueError(f"select_tree needs two trees of one structure, got {true_spec} and {false_spec}")
+        raise ValueError(
+            f"select_tree needs two trees of one structure, got {pytree.spec_str(true_spec)} "
+            f"and {pytree.spec_str(false_spec)}"
+        )
     pairs = list(zip(true_leaves, false_leaves, strict=True))
     for index, (a, b) in enumerate(pairs):
         # The usual pair, two tensors alike, passes with no check object made for it.

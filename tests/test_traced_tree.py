@@ -26,6 +26,12 @@ class _SubPair(_Pair):
     """A namedtuple's subclass: left to optree."""
 
 
+class _FieldsOnly(tuple):
+    """A tuple subclass with `_fields` but no `_make`: not a namedtuple to torch's pytrees (a leaf)."""
+
+    _fields = ("a", "b")
+
+
 class _Key(str):
     """A string key of its own type, which the rebuilt dict keeps."""
 
@@ -88,6 +94,13 @@ def test_other_containers_are_left_to_optree_whole(tree: object) -> None:
     assert all(torch.equal(a, b) for a, b in pairs)
 
 
+def test_a_tuple_with_fields_but_no_namedtuple_methods_stays_a_leaf() -> None:
+    tree = [_FieldsOnly((torch.zeros(1), torch.ones(1)))]
+    assert traced.flatten(tree) is None
+    leaves = torch.compile(pytree.tree_leaves, fullgraph=True, backend="eager")(tree)
+    assert len(leaves) == 1 and type(leaves[0]) is _FieldsOnly
+
+
 def test_is_leaf_stops_the_walk_where_it_says() -> None:
     tree = {"a": (torch.zeros(1), torch.ones(1)), "b": [torch.zeros(2)]}
 
@@ -113,6 +126,33 @@ def test_unflatten_and_flatten_up_to_name_what_does_not_fit() -> None:
         traced.flatten_up_to(spec, {"a": 1, "b": [1, 2]})
     # Keys in another order are taken key by key, as optree takes them.
     assert traced.flatten_up_to(spec, {"b": [2], "a": 1}) == [1, 2]
+
+
+@pytest.mark.parametrize("kind", [collections.OrderedDict, functools.partial(collections.defaultdict, list)])
+def test_a_dict_spec_takes_the_other_dicts_key_by_key_as_optree_does(kind: object) -> None:
+    x, y = torch.zeros(2), torch.ones(3)
+    other = kind()  # type: ignore[operator]
+    other["b"], other["a"] = y, x
+    _, spec = traced.flatten({"a": x, "b": y}) or ([], traced.LEAF)
+    expected = cxx_pytree.tree_structure({"a": x, "b": y}).flatten_up_to(other)
+    assert [id(v) for v in traced.flatten_up_to(spec, other)] == [id(v) for v in expected]
+    # Traced, a dict of params meets an OrderedDict of gradients (which optree walks): as eager.
+    params = {"a": x, "b": y}
+    adam = fmp.optim.adamw(0.1)
+    update = torch.compile(adam.update, fullgraph=True, backend="eager")
+    got, _ = update(other, adam.init(params), params)
+    want, _ = adam.update(other, adam.init(params), params)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_messages_write_a_traced_spec_as_optree_writes_its_own() -> None:
+    tree = {"w": torch.zeros(1), "b": [torch.zeros(1), (torch.zeros(1),)], "e": ()}
+    _, spec = traced.flatten(tree) or ([], traced.LEAF)
+    assert f"PyTreeSpec({traced.describe(spec)}, NoneIsLeaf, namespace='torch')" == str(cxx_pytree.tree_structure(tree))
+    assert traced.describe(traced.LEAF) == "*"
+    select = torch.compile(fmp.select_tree, fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match=r"two trees of one structure, got \{'a': \*\} and \{'b': \*\}"):
+        select(torch.tensor(True), {"a": torch.zeros(1)}, {"b": torch.zeros(1)})
 
 
 _tensors = st.builds(torch.zeros, st.just(1))  # distinct tensors: the leaves' order shows

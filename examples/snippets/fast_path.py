@@ -33,6 +33,12 @@ planned = torch.compile(
 )
 state, info = planned(state, torch.randn(32, 64), torch.randn(32, 1))
 # --8<-- [end:planned]
+loader = [(torch.randn(32, 64), torch.randn(32, 1)) for _ in range(3)]  # batches of the shapes compiled
+# --8<-- [start:skip_guards]
+with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+    for batch in loader:
+        state, info = step(state, *batch)
+# --8<-- [end:skip_guards]
 # --8<-- [start:eager]
 # Eager: torch's fused AdamW kernel skips an overflowing step by itself, with no select pass after it;
 # donated, it writes into the state's own buffers, as torch.optim.AdamW(fused=True) does.

@@ -166,7 +166,8 @@ def _first_difference(params: Any, tree: Any, what: str) -> str:
         return f"they differ at params{param_keys[len(keys)]}, which {what} lacks"
     if len(keys) > len(param_keys):
         return f"they differ at {what}{keys[len(param_keys)]}, which params lack"
-    return f"the same keys sit in other containers ({pytree.tree_structure(params)} vs {pytree.tree_structure(tree)})"
+    ours, theirs = pytree.spec_str(pytree.tree_structure(params)), pytree.spec_str(pytree.tree_structure(tree))
+    return f"the same keys sit in other containers ({ours} vs {theirs})"
 
 
 def check_lr(lr: Any) -> LearningRate:

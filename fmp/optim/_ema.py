@@ -95,8 +95,9 @@ def ema(optimizer: Optimizer, decay: float = 0.999) -> Optimizer:
                 average_leaves = pytree.flatten_up_to(spec, state.average)
             except (TypeError, ValueError):
                 raise ValueError(
-                    f"ema: opt_state.average must have the params' structure, got {average_spec} for params "
-                    f"{spec}; was the state created for other params?"
+                    f"ema: opt_state.average must have the params' structure, got "
+                    f"{pytree.spec_str(average_spec)} for params {pytree.spec_str(spec)}; "
+                    f"was the state created for other params?"
                 ) from None
         first = state.step == 0
         averages = []

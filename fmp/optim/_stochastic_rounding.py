@@ -134,7 +134,7 @@ def stochastic_rounding(optimizer: Optimizer, *, seed: int = 0, state_dtype: tor
         if new_state_spec != state_spec:
             raise ValueError(
                 "stochastic_rounding: the wrapped optimizer's update returned a state of another structure "
-                f"than it was given ({new_state_spec} vs {state_spec})"
+                f"than it was given ({pytree.spec_str(new_state_spec)} vs {pytree.spec_str(state_spec)})"
             )
         first_key = state.step.to(torch.int64) * (len(param_leaves) + len(state_leaves)) + seed_offset
         rounded = [
