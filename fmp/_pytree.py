@@ -168,7 +168,7 @@ def tree_structure(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> T
 def tree_unflatten(leaves: Iterable[Any], treespec: TreeSpec) -> Any:
     """`torch.utils._pytree.tree_unflatten`, in C++."""
     if traced.is_spec(treespec):
-        return traced.unflatten(list(leaves), treespec)
+        return traced.unflatten(leaves, treespec)
     return cxx_pytree.tree_unflatten(leaves, treespec)
 
 

@@ -45,8 +45,8 @@ OPTREE_NAMESPACE = "fmp"
 """The optree namespace fmp's state classes are registered under: `optree.tree_flatten(x, namespace=...)`."""
 
 _STATIC = "fmp_static"
-_FIELD_NAMES = "_fmp_field_names"
-_PYTREE_FIELDS = "_fmp_pytree_fields"
+# (class, field names, leaf field names, static field names): a subclass inherits the attribute but not its fields.
+_FIELDS = "_fmp_fields"
 
 T = TypeVar("T")
 
@@ -214,8 +214,7 @@ def replace(obj: T, **changes: Any) -> T:
     Raises:
         TypeError: If `obj`'s class is not a `pytree_dataclass`, or a name in `changes` is not a field.
     """
-    # (class, field names): a subclass inherits the attribute but not its fields.
-    owner, names = getattr(type(obj), _FIELD_NAMES, (None, ()))
+    owner, names, _, _ = getattr(type(obj), _FIELDS, (None, (), (), ()))
     if owner is not type(obj):
         raise TypeError(f"replace() takes an instance of a pytree_dataclass, got {type(obj).__qualname__}")
     unknown = sorted(set(changes) - set(names))
@@ -226,7 +225,7 @@ def replace(obj: T, **changes: Any) -> T:
 
 def dataclass_fields(cls: type) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
     """`(leaf field names, static field names)` of a `pytree_dataclass` (not of a subclass of one), else None."""
-    owner, leaf_names, static_names = getattr(cls, _PYTREE_FIELDS, (None, (), ()))
+    owner, _, leaf_names, static_names = getattr(cls, _FIELDS, (None, (), (), ()))
     return (leaf_names, static_names) if owner is cls else None
 
 
@@ -246,8 +245,7 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
         raise TypeError(f"pytree_dataclass {cls.__qualname__}: fields {not_in_init} must not be init=False")
     leaf_names = tuple(f.name for f in fields if not f.metadata.get(_STATIC, False))
     static_names = tuple(f.name for f in fields if f.metadata.get(_STATIC, False))
-    setattr(data_cls, _FIELD_NAMES, (data_cls, tuple(f.name for f in fields)))
-    setattr(data_cls, _PYTREE_FIELDS, (data_cls, leaf_names, static_names))
+    setattr(data_cls, _FIELDS, (data_cls, tuple(f.name for f in fields), leaf_names, static_names))
     _name_publicly(data_cls)  # after dataclass(), which resolves annotations in the defining module
 
     def flatten(obj: Any) -> tuple[list[Any], tuple[Any, ...]]:

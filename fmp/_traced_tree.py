@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable
+from collections.abc import Iterable
 from collections.abc import Iterator
 from typing import Any
 
@@ -123,17 +124,17 @@ def _unflatten(spec: Spec, leaves: Iterator[Any]) -> Any:
     return _build(kind, context, values)
 
 
-def unflatten(leaves: list[Any], spec: Spec) -> Any:
+def unflatten(leaves: Iterable[Any], spec: Spec) -> Any:
     """The tree of `spec` with `leaves`, in order.
 
     Raises:
         ValueError: If there are more or fewer leaves than the spec has.
     """
-    leaves = list(leaves)
+    given = list(leaves)
     expected = num_leaves(spec)
-    if len(leaves) != expected:
-        raise ValueError(f"tree_unflatten: the treespec has {expected} leaves, but {len(leaves)} were given")
-    return _unflatten(spec, iter(leaves)) if spec else leaves[0]
+    if len(given) != expected:
+        raise ValueError(f"tree_unflatten: the treespec has {expected} leaves, but {len(given)} were given")
+    return _unflatten(spec, iter(given)) if spec else given[0]
 
 
 def _up_to(spec: Spec, node: Any, found: list[Any]) -> None:
