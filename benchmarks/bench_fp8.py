@@ -19,7 +19,8 @@ AdamW(fused=True) and no loss scale.
 
 On a CPU torch only emulates FP8 matmuls (the FP8 operands are multiplied as float32), so FP8
 costs time there; the numerics are those of the hardware. On a GPU with FP8 tensor cores (H100),
-at `--device cuda`'s matmul-bound size, per-tensor and rowwise scales run on `torch._scaled_mm`.
+at `--device cuda`'s matmul-bound size, per-tensor and rowwise scales run on `torch._scaled_mm`
+(rowwise writing bfloat16, which the float32 weight gradient is rounded through).
 
     python benchmarks/bench_fp8.py [--model gpt] [--device cuda] [--steps 10 --rounds 5] [--compiled]
 """

@@ -39,7 +39,18 @@ def operands(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 @pytest.mark.parametrize("recipe", [f8.tensorwise(), f8.rowwise(), f8.delayed()], ids=lambda r: type(r).__name__)
-def test_the_gpus_scaled_mm_gives_the_cpus_results_forward_and_backward(recipe: object) -> None:
+def test_the_gpus_scaled_mm_gives_the_cpus_results_forward_and_backward(
+    recipe: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gpu_calls = []
+    scaled_mm = torch._scaled_mm
+
+    def spy(a: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if a.is_cuda:
+            gpu_calls.append(kwargs["out_dtype"])
+        return scaled_mm(a, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
     results = []
     for device in (torch.device("cpu"), CUDA):
         x, weight, upstream = operands(device)
@@ -48,6 +59,9 @@ def test_the_gpus_scaled_mm_gives_the_cpus_results_forward_and_backward(recipe: 
         scales = {"scales": torch.ones(3, device=device)} if isinstance(recipe, f8.DelayedScaling) else {}
         y = f8.fp8_linear(x, weight, recipe=recipe, **scales)  # type: ignore[arg-type]
         results.append([y, *torch.autograd.grad(y, (x, weight), upstream)])
+    # All three matmuls ran on the GPU's FP8 kernel (rowwise's writing bfloat16).
+    rowwise = isinstance(recipe, f8.Fp8Recipe) and recipe.name == "rowwise"
+    assert gpu_calls == [torch.bfloat16, torch.bfloat16, torch.bfloat16 if rowwise else torch.float32]
     for cpu, gpu in zip(*results, strict=True):
         # The same FP8 operands; the sums accumulate in float32 in another order.
         torch.testing.assert_close(gpu.cpu().float(), cpu.float(), rtol=2e-2, atol=1e-3)

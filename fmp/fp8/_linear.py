@@ -8,9 +8,11 @@ with those the backward re-quantizes the saved high-precision input and weight; 
 scale is the same in either orientation, so there the backward reuses the forward's FP8 operands.
 
 A matmul runs as `torch._scaled_mm` where torch has a kernel for it (per-tensor, delayed and rowwise
-scales: emulated on a CPU, FP8 tensor cores on an H100) and otherwise on the dequantized operands
-in float32, which gives the same result: `_scaled_mm` multiplies by the scales' reciprocals as
-`Quantized.dequantize` does and accumulates in float32.
+scales: emulated on a CPU, FP8 tensor cores on a CUDA device of compute capability 8.9 or newer)
+and otherwise on the dequantized operands in float32, which gives the same result: `_scaled_mm`
+multiplies by the scales' reciprocals as `Quantized.dequantize` does and accumulates in float32.
+On CUDA a rowwise product is rounded to bfloat16 first, the one output dtype every torch release
+and GPU generation takes for rowwise scales.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ __all__ = ["fp8_linear", "fp8_matmul"]
 Recipe = Fp8Recipe | DelayedScaling
 Scales = tuple[torch.Tensor, torch.Tensor] | None  # a delayed recipe's (scales, loss scale)
 _NATIVE = ("tensorwise", "rowwise", "delayed")  # the scale layouts torch._scaled_mm takes
+_CUDA_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what cuBLAS's FP8 matmuls write
 
 
 def _name(recipe: Recipe) -> str:
@@ -60,17 +63,34 @@ def fp8_matmul(a: Quantized, b: Quantized, out_dtype: torch.dtype, *, native: bo
         native: Whether to call `torch._scaled_mm` (only for per-tensor and per-row/column scales).
 
     Returns:
-        (M, N) in `out_dtype`.
+        (M, N) in `out_dtype`; natively off a CPU with per-row scales, rounded to bfloat16 first.
     """
     if not native:
         return (a.dequantize() @ b.dequantize()).to(out_dtype)
     scale_a, scale_b = a.scale.reciprocal(), b.scale.reciprocal()
-    if scale_a.numel() == 1 and scale_b.numel() == 1:
+    per_tensor = scale_a.numel() == 1 and scale_b.numel() == 1
+    if per_tensor:
         scale_a, scale_b = scale_a.reshape(()), scale_b.reshape(())
+    # CUDA's rowwise kernel writes bfloat16 only (float32 too on sm_90 with cuBLAS 12.9, which torch
+    # cannot be asked about): off a CPU the product is rounded to bfloat16, as torchao's is.
+    kernel_dtype = out_dtype if per_tensor or a.data.device.type == "cpu" else torch.bfloat16
     # cuBLASLt multiplies a row-major by a column-major matrix only (the weight gradient's
     # grad_output.t() arrives column-major).
     row_major, column_major = a.data.contiguous(), b.data.t().contiguous().t()
-    return torch._scaled_mm(row_major, column_major, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    product = torch._scaled_mm(row_major, column_major, scale_a=scale_a, scale_b=scale_b, out_dtype=kernel_dtype)
+    return product.to(out_dtype)
+
+
+def cuda_runs_fp8(device: torch.device) -> bool:
+    """Whether `torch._scaled_mm` has a kernel on this CUDA device: compute capability 8.9 or newer, not ROCm.
+
+    ROCm's GPUs take the `fnuz` FP8 formats, not the OCP ones the recipes use. Dynamo folds the
+    device's properties into a constant, so this costs a compiled step nothing.
+    """
+    if torch.version.hip is not None:
+        return False
+    properties = torch.cuda.get_device_properties(device)
+    return (properties.major, properties.minor) >= (8, 9)
 
 
 def _runs_native(recipe: Recipe, a: Quantized, b: Quantized, out_dtype: torch.dtype) -> bool:
@@ -78,17 +98,20 @@ def _runs_native(recipe: Recipe, a: Quantized, b: Quantized, out_dtype: torch.dt
 
     Compiled, Dynamo cannot ask whether a torch.func transform is running, so the native kernel is
     taken on CUDA only (where it is fast) and a CPU, which only emulates it, multiplies the
-    dequantized operands, which Inductor fuses. CUDA's kernel also wants a bfloat16 output for
-    rowwise scales and refuses two E5M2 operands.
+    dequantized operands, which Inductor fuses. On CUDA the device must have FP8 tensor cores
+    (`cuda_runs_fp8`), the output be a 16- or 32-bit float, and the operands not both E5M2.
     """
-    if _name(recipe) not in _NATIVE or not all(d % 16 == 0 for t in (a.data, b.data) for d in t.shape):
+    # torch checks the contracted dim and the second operand's columns; the first's rows may be any number.
+    (_, contracted), (_, columns) = a.data.shape, b.data.shape
+    if _name(recipe) not in _NATIVE or contracted % 16 or columns % 16:
         return False
     devices = {a.data.device.type, b.data.device.type}
     if devices not in ({"cpu"}, {"cuda"}):
         return False
     if devices == {"cuda"} and (
         a.data.dtype == b.data.dtype == torch.float8_e5m2
-        or (_name(recipe) == "rowwise" and out_dtype != torch.bfloat16)
+        or out_dtype not in _CUDA_OUT_DTYPES
+        or not cuda_runs_fp8(a.data.device)
     ):
         return False
     if torch.compiler.is_compiling():
@@ -242,6 +265,16 @@ def _check_arguments(x: Any, weight: Any, bias: Any, recipe: Any, scales: Any, l
         raise ValueError(f"fp8_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"fp8_linear: bias must be of shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    on_other_devices = [
+        f"{what} on {tensor.device}"
+        for what, tensor in (("weight", weight), ("bias", bias), ("scales", scales), ("loss_scale", loss_scale))
+        if isinstance(tensor, torch.Tensor) and tensor.device != x.device
+    ]
+    if on_other_devices:
+        raise ValueError(
+            f"fp8_linear: x is on {x.device} but {', '.join(on_other_devices)}: move them to one device "
+            f"(fmp.fp8.init_states(model, recipes, device) makes delayed scaling's states there)"
+        )
     delayed = isinstance(recipe, DelayedScaling)
     if delayed != (scales is not None) or (loss_scale is not None and not delayed):
         raise TypeError(
