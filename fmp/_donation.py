@@ -35,6 +35,9 @@ Tree = TypeVar("Tree")
 def check_distinct(donated: Any, name: str) -> list[Any]:
     """Raises a ValueError naming both leaves if `donated` lists one tensor twice; returns its leaves.
 
+    Eager, also if two of its tensors share elements (one a view of the other, or two views of
+    one buffer that meet), which would take two updates into one buffer.
+
     Leaves are compared with `is` within groups of equal shape, dtype and device (only those can be
     one tensor): Dynamo traces `is` without a guard, where `id()` would guard on each tensor's
     identity and recompile for every new set of tensors. Eager, a set of ids answers first. The
@@ -47,6 +50,7 @@ def check_distinct(donated: Any, name: str) -> list[Any]:
     if not torch.compiler.is_compiling():
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         if len({id(leaf) for leaf in tensors}) == len(tensors):
+            _check_no_overlap(donated, leaves, name)
             return leaves
     groups: dict[tuple[Any, ...], list[tuple[int, torch.Tensor]]] = {}
     for index, leaf in enumerate(leaves):
@@ -62,6 +66,39 @@ def check_distinct(donated: Any, name: str) -> list[Any]:
                 )
         group.append((index, leaf))
     return leaves
+
+
+def _span(x: torch.Tensor) -> tuple[int, int]:
+    """The addresses from `x`'s first element to one past its last (its strides are not negative)."""
+    extent = sum((size - 1) * stride for size, stride in zip(x.shape, x.stride(), strict=True)) + 1
+    return x.data_ptr(), x.data_ptr() + extent * x.element_size()
+
+
+def _check_no_overlap(donated: Any, leaves: list[Any], name: str) -> None:
+    """Raises naming two distinct donated tensors whose elements may share memory (views of one buffer).
+
+    Eager only: storages cannot be read while Dynamo traces, nor through a torch.func transform's
+    wrappers, under which nothing is written in place. Views of one storage whose element ranges
+    do not meet (slices of a flat buffer) pass.
+    """
+    if torch._C._functorch.get_interpreter_stack():
+        return
+    by_storage: dict[int, list[int]] = {}
+    for index, leaf in enumerate(leaves):
+        if _plain(leaf) and leaf.numel():
+            by_storage.setdefault(leaf.untyped_storage().data_ptr(), []).append(index)
+    for indices in by_storage.values():
+        spans = sorted((_span(leaves[index]), index) for index in indices)
+        reach, first = spans[0][0][1], spans[0][1]  # the furthest end so far, and whose it is
+        for (start, end), second in spans[1:]:
+            if start < reach:
+                paths = [f"{name}{py_pytree.keystr(path)}" for path, _ in py_pytree.tree_flatten_with_path(donated)[0]]
+                raise ValueError(
+                    f"donate=True needs tensors that own their memory, but {paths[first]} and {paths[second]} share "
+                    f"elements (one is a view of the other?): the step would write two updates into one buffer"
+                )
+            if end > reach:
+                reach, first = end, second
 
 
 def writes_in_place(*trees: Any) -> bool:

@@ -221,7 +221,8 @@ def train_step(
             tensors), `optimizer` not an Optimizer, or `donate`, `grad_norm` or `check_update`
             not a bool.
         ValueError: If `donate` and the state lists one tensor twice (under torch.compile Dynamo
-            reports it as `torch._dynamo.exc.Unsupported` carrying this message), or the scaler
+            reports it as `torch._dynamo.exc.Unsupported` carrying this message) or, eager, two of
+            its tensors share elements (one a view of the other), or the scaler
             or the counts are on another device than the params (their first accelerator).
     """
     check_bool("donate", donate)
@@ -291,8 +292,9 @@ def train_step(
     # Only the params and the optimizer state are written eagerly: the rest of the state does not decide.
     writes_eagerly = donate and writes_in_place(updated if masked_update is None else grads, (params, opt_state))
     if writes_eagerly or (donate and torch.compiler.is_compiling()):
-        # The loss and aux the step returns keep their values when the state's buffers are written.
-        loss, aux = copy_aliases((loss, aux), donated_leaves)
+        # The loss, aux and model state the step returns keep their values when the state's buffers
+        # are written (a loss function may hand back a param, or a view of one, in either).
+        loss, aux, new_model_state = copy_aliases((loss, aux, new_model_state), donated_leaves)
     if masked_update is not None:
         new_params, new_opt_state = masked_update(grads, opt_state, params, applied, writes_eagerly)
     elif writes_eagerly:

@@ -231,6 +231,64 @@ def test_donating_a_tensor_listed_twice_is_refused() -> None:
         fmp.train_step(tied_loss, state, x, y, policy=BF16, optimizer=optimizer, donate="yes")  # type: ignore[arg-type]
 
 
+def test_donating_tensors_that_view_one_another_is_refused_eager() -> None:
+    optimizer = fmp.optim.sgd(0.1, momentum=0.9)
+    state, (x, y) = (
+        fmp.TrainState.create(mlp_params(), optimizer, fmp.DynamicLossScale.create()),
+        next(mlp_batches(1, 0)),
+    )
+    state, _ = fmp.train_step(mlp_loss, state, x, y, policy=BF16, optimizer=optimizer)  # momentum made
+    momentum = {**state.opt_state.momentum, "w1": state.params["w1"].view(-1).view_as(state.params["w1"])}
+    viewing = state._replace(opt_state=state.opt_state._replace(momentum=momentum))
+    kept = snapshot(viewing)
+    message = r"state\.params\['w1'\] and state\.opt_state\.momentum\['w1'\] share elements"
+    with pytest.raises(ValueError, match=message):
+        fmp.train_step(mlp_loss, viewing, x, y, policy=BF16, optimizer=optimizer, donate=True)
+    assert_unmutated(viewing, kept)
+
+
+def test_donated_slices_of_one_flat_buffer_that_do_not_meet_are_written_as_the_pure_step() -> None:
+    optimizer = fmp.optim.sgd(0.1)
+    params = mlp_params()
+    flat = torch.cat([p.reshape(-1) for p in params.values()])
+    sizes = [p.numel() for p in params.values()]
+    views = dict(
+        zip(params, (v.view_as(p) for v, p in zip(flat.split(sizes), params.values(), strict=True)), strict=True)
+    )
+    pure = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create())
+    donated = fmp.TrainState.create(views, optimizer, fmp.DynamicLossScale.create())
+    for x, y in mlp_batches(2, 0):
+        pure, _ = fmp.train_step(mlp_loss, pure, x, y, policy=BF16, optimizer=optimizer)
+        donated, _ = fmp.train_step(mlp_loss, donated, x, y, policy=BF16, optimizer=optimizer, donate=True)
+    assert_trees_bitwise_equal(donated.params, pure.params)
+
+
+def params_as_model_state(
+    params: dict[str, torch.Tensor], model_state: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`mlp_loss`, returning as the new model state a detached param and a view of another."""
+    return mlp_loss(params, x, y), {"w1": params["w1"].detach(), "b1": params["b1"].detach()[:4]}
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.compiled)], ids=["eager", "compiled"])
+def test_a_model_state_that_returns_the_donated_params_keeps_their_values(compiled: bool) -> None:
+    optimizer = fmp.optim.sgd(0.1, momentum=0.9)
+    step = functools.partial(fmp.train_step, params_as_model_state, policy=F32, optimizer=optimizer)
+    donating_step = functools.partial(step, donate=True)
+    if compiled:  # functionalized as Inductor's input is (aot_eager), without generating code
+        donating_step = torch.compile(donating_step, backend="aot_eager", fullgraph=True)
+    params = mlp_params()
+    model_state = {"w1": params["w1"].clone(), "b1": params["b1"][:4].clone()}
+    pure = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create(), model_state=model_state)
+    donated = pytree.tree_map(torch.clone, pure)
+    for x, y in mlp_batches(3, 0):
+        before = pytree.tree_map(torch.clone, donated.params)
+        pure, _ = step(pure, x, y)
+        donated, _ = donating_step(donated, x, y)
+        assert_trees_bitwise_equal(donated, pure)
+        assert torch.equal(donated.model_state["w1"], before["w1"])  # the params the loss function saw
+
+
 def params_in_aux(
     params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

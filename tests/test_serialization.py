@@ -22,6 +22,8 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 from conftest import assert_trees_bitwise_equal
+from conftest import mlp_batches
+from conftest import mlp_loss
 from conftest import mlp_params
 
 import fmp
@@ -144,6 +146,33 @@ def test_garbage_and_flipped_bytes_are_named_corrupt(saved: tuple[fmp.TrainState
 
 class Opaque:
     pass
+
+
+def test_loaded_leaves_never_require_grad_nor_share_memory_whatever_the_file_says(tmp_path: Path) -> None:
+    # A state that lists one tensor twice saves as one storage; flags are outside the checksum.
+    params = mlp_params()
+    params["w1_tied"] = params["w1"]
+    state = fmp.TrainState.create(params, fmp.optim.sgd(0.1, momentum=0.9), fmp.DynamicLossScale.create())
+    path = tmp_path / "state.pt"
+    save(state, path)
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["state"].params["w2"].requires_grad_()  # as a flipped flag byte would read
+    torch.save(checkpoint, path)
+    loaded = load(path, state)
+    assert_trees_bitwise_equal(loaded, state)
+    leaves = [leaf for leaf in pytree.tree_leaves(loaded) if leaf.numel()]
+    assert not any(leaf.requires_grad for leaf in leaves)
+    assert len({leaf.untyped_storage().data_ptr() for leaf in leaves}) == len(leaves)
+    optimizer = fmp.optim.sgd(0.1, momentum=0.9)
+    x, y = next(mlp_batches(1, 0))
+    policy = fmp.get_policy("params=float32,compute=float32,output=float32")
+
+    def tied_loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return mlp_loss(params, x, y) + params["w1_tied"].sum()
+
+    pure, _ = fmp.train_step(tied_loss, loaded, x, y, policy=policy, optimizer=optimizer)
+    donated, _ = fmp.train_step(tied_loss, loaded, x, y, policy=policy, optimizer=optimizer, donate=True)
+    assert_trees_bitwise_equal(donated, pure)
 
 
 def test_a_file_that_is_not_an_fmp_checkpoint_says_so(saved: tuple[fmp.TrainState, Path], tmp_path: Path) -> None:

@@ -219,7 +219,32 @@ def _verified_state(checkpoint: dict[str, Any], path: Path) -> Any:
     if mismatch or checkpoint.get("sha256") != _checksum(header, leaves):
         what = f"its header's {mismatch} disagree with its state" if mismatch else "the sha256 checksum does not match"
         raise _corrupt(path, what)
-    return state
+    return _independent(state)
+
+
+def _independent(state: Any) -> Any:
+    """`state` with leaves that require no grad and share no memory with one another.
+
+    The checksum covers the values, not these: a damaged flag or storage key would otherwise load
+    a leaf that requires grad, or two leaves over one buffer (a donated step would write both
+    updates into it). A state that listed one tensor twice loads as two equal tensors, as the
+    step's pure update would make them anyway.
+    """
+    seen: set[int] = set()
+
+    def independent(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        leaf = leaf.detach()
+        storage = leaf.untyped_storage().data_ptr()
+        if storage == 0:  # no elements: nothing to share
+            return leaf
+        if storage in seen:
+            return leaf.clone()
+        seen.add(storage)
+        return leaf
+
+    return pytree.tree_map(independent, state)
 
 
 def place(state: Any, target: Any, device: torch.device | str | None) -> Any:
@@ -240,7 +265,9 @@ def load(path: str | os.PathLike[str], target: State, *, device: torch.device | 
 
     The loaded leaves are plain tensors: only the structure, shapes, dtypes and devices come from
     `target`, not its leaves' types or flags. An `nn.Parameter` in `target` comes back a plain
-    tensor, and `requires_grad` is False; wrap or flag them again where a loop needs it.
+    tensor, and `requires_grad` is False; wrap or flag them again where a loop needs it. No two
+    leaves share memory, so the state can be donated (a state that listed one tensor twice comes
+    back with two equal tensors).
 
     Files of earlier fmp versions load as today's classes (`fmp._struct.LEGACY_NAMES`). A file
     written by plain `torch.save(state, path)` is refused, as not an fmp checkpoint: read it with
