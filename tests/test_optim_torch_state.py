@@ -71,6 +71,33 @@ def test_converter_names_what_does_not_match() -> None:
         fmp.interop.from_torch_state_dict("adamw", [saved], params, 2)  # type: ignore[arg-type]
 
 
+def test_state_the_converter_would_drop_is_refused_by_name() -> None:
+    saved, params = adamw_checkpoint()
+    unlisted = {**saved, "state": {**saved["state"], 6: saved["state"][0]}}
+    with pytest.raises(ValueError, match=r"state for parameter ids \['6'\], which no param group lists"):
+        fmp.interop.from_torch_state_dict("adamw", unlisted, params, 2)
+    extra_key = {**saved, "state": {**saved["state"], 0: {**saved["state"][0], "max_exp_avg_sq": torch.ones(8, 16)}}}
+    with pytest.raises(ValueError, match=r"state of 0.weight holds \['max_exp_avg_sq'\], which fmp's adamw would drop"):
+        fmp.interop.from_torch_state_dict("adamw", extra_key, params, 2)
+
+
+def test_param_names_that_do_not_name_each_param_once_are_refused() -> None:
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.named_parameters(), lr=1e-3)
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    saved = optimizer.state_dict()
+    group = saved["param_groups"][0]
+    for names, message in (
+        (["weight", "weight"], r"param group 0 of the state_dict names \['weight'\] more than once"),
+        (["weight"], r"param group 0 of the state_dict lists 2 params but param_names \['weight'\]: one name"),
+    ):
+        renamed = {**saved, "param_groups": [{**group, "param_names": names}]}
+        with pytest.raises(ValueError, match=message):
+            fmp.interop.from_torch_state_dict("adam", renamed, params, 1)
+
+
 def test_bad_group_settings_are_named_with_their_group() -> None:
     saved, params = adamw_checkpoint()
     group = saved["param_groups"][0]

@@ -51,6 +51,13 @@ def _check_groups(kind: str, state_dict: Any, count: int) -> list[dict[str, Any]
     total = sum(len(group["params"]) for group in checked)
     if total != count:
         raise ValueError(f"the state_dict holds {total} parameters, params {count}")
+    listed = {str(key) for group in checked for key in group["params"]}
+    unlisted = sorted(str(key) for key in states if str(key) not in listed)
+    if unlisted:
+        raise ValueError(
+            f"the state_dict holds state for parameter ids {unlisted}, which no param group lists: it would be "
+            f"dropped; save the optimizer's state_dict as torch wrote it"
+        )
     return checked
 
 
@@ -274,12 +281,23 @@ def _members(groups: list[dict[str, Any]], names: list[str]) -> list[list[str]]:
     """Each param group's parameter names: by torch's `param_names` where every group has them, else by order."""
     if all("param_names" in group for group in groups):
         known = set(names)
+        for index, group in enumerate(groups):
+            if not isinstance(group["param_names"], list | tuple) or len(group["param_names"]) != len(group["params"]):
+                raise ValueError(
+                    f"param group {index} of the state_dict lists {len(group['params'])} params but param_names "
+                    f"{group['param_names']!r}: one name per param"
+                )
         depth = wrapper_depth([str(name) for group in groups for name in group["param_names"]], names)
         members = [[unwrapped(str(name), depth) for name in group["param_names"]] for group in groups]
+        seen: set[str] = set()
         for index, group_names in enumerate(members):
             unknown = [name for name in group_names if name not in known]
             if unknown:
                 raise ValueError(f"param group {index} of the state_dict names {unknown}, which params lacks")
+            twice = sorted({name for name in group_names if name in seen or group_names.count(name) > 1})
+            if twice:
+                raise ValueError(f"param group {index} of the state_dict names {twice} more than once")
+            seen.update(group_names)
         return members
     # Without names, torch numbers the parameters group by group, in the order it was given them.
     starts = [0, *itertools.accumulate(len(group["params"]) for group in groups)]
@@ -318,6 +336,14 @@ def _group_state(
         )
     if not applied_steps:  # fmp's first step would seed the momentum afresh, dropping the loaded buffers
         raise ValueError("the state_dict holds optimizer state, so torch applied steps, yet applied_steps is 0")
+    known = {"momentum_buffer"} if kind == "sgd" else {"step", "exp_avg", "exp_avg_sq"}
+    for name, entry in zip(names, entries, strict=True):
+        unknown = sorted(map(str, set(entry) - known))
+        if unknown:
+            raise ValueError(
+                f"the optimizer state of {name} holds {unknown}, which fmp's {kind} would drop (it keeps "
+                f"{sorted(known)}): was the state_dict saved by another optimizer or with other settings?"
+            )
     if kind == "sgd":
         momentum = {n: _restored(n, e, "momentum_buffer", params[n]) for n, e in zip(names, entries, strict=True)}
         return SgdState(torch.full_like(fresh.step, applied_steps), momentum)
