@@ -32,6 +32,7 @@ from fmp.serialization import load
 from fmp.serialization import load_sharded
 from fmp.serialization import save
 from fmp.serialization import save_sharded
+from fmp.serialization._sharded import _header_digest
 
 WORKER = Path(__file__).resolve().parent / "_serialization_worker.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -485,12 +486,24 @@ def test_a_damaged_shard_file_or_replicated_leaf_is_a_checkpoint_error(tmp_path:
     refused(error, f"checkpoint {tmp_path / 'cut'} is truncated or corrupt (CheckpointException")
     save_sharded(state, tmp_path / "edited")
     header_file = tmp_path / "edited" / "fmp_checkpoint.json"
-    header = json.loads(header_file.read_text())
-    header["replicated_sha256"][".scaler.loss_scale"] = "0" * 64
+    written = header_file.read_text()
+    # A changed setting (a flipped digit) reads as damage, not as a target that does not fit.
+    header_file.write_text(written.replace("0.25, 7, 1.0", "0.25, 8, 1.0", 1))  # the growth interval
+    assert header_file.read_text() != written
+    with pytest.raises(CheckpointError) as error:
+        load_sharded(tmp_path / "edited", state)
+    refused(error, "the sha256 of its fmp_checkpoint.json does not match")
+    header = json.loads(written)
+    header["replicated_sha256"][".scaler.loss_scale"] = "0" * 64  # a leaf whose bytes changed, the header whole
+    header["header_sha256"] = _header_digest(header)
     header_file.write_text(json.dumps(header))
     with pytest.raises(CheckpointError) as error:
         load_sharded(tmp_path / "edited", state)
     refused(error, "the sha256 of state.scaler.loss_scale does not match")
+    del header["header_sha256"]  # as checkpoints written before fmp recorded it
+    header["replicated_sha256"] = json.loads(written)["replicated_sha256"]
+    header_file.write_text(json.dumps(header))
+    assert_trees_bitwise_equal(load_sharded(tmp_path / "edited", state), state)
 
 
 def test_a_legacy_step_counts_of_expanded_views_is_refused_not_padded(

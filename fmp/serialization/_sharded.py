@@ -33,6 +33,12 @@ HEADER_FILE = "fmp_checkpoint.json"
 """The file in a sharded checkpoint's directory that holds its header; written last, when the save is whole."""
 
 _REPLICATED_SHA256 = "replicated_sha256"
+_HEADER_SHA256 = "header_sha256"  # of the rest of the header, so that damage to it reads as corruption
+
+
+def _header_digest(header: dict[str, Any]) -> str:
+    rest = {key: value for key, value in header.items() if key != _HEADER_SHA256}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
 
 
 def _is_dtensor(leaf: torch.Tensor) -> bool:
@@ -63,7 +69,7 @@ def save_sharded(state: Any, directory: str | os.PathLike[str], *, group: dist.P
     Every rank of `group` calls it with its own shards; `torch.distributed.checkpoint` writes each
     shard once and a replicated tensor (plain tensors: the loss scale, the counters) once in all.
     The group's rank 0 removes the header file (`fmp_checkpoint.json`: format, structure, global
-    shapes and dtypes, and a sha256 of each plain, replicated leaf) first and writes it last, so
+    shapes and dtypes, a sha256 of each plain, replicated leaf and one of the header) first and writes it last, so
     a directory without it holds no finished save. Save each checkpoint to a fresh directory: one
     save over another that dies midway leaves neither whole. Without an initialized process group,
     one process writes the whole state.
@@ -102,6 +108,7 @@ def save_sharded(state: Any, directory: str | os.PathLike[str], *, group: dist.P
         # Plain leaves are replicated (a loss scale, the counters; every leaf in one process): cheap
         # to check on load. DTensor shards are not checksummed: see load_sharded.
         header[_REPLICATED_SHA256] = {key: _digest(leaf) for key, leaf in entries if not _is_dtensor(leaf)}
+        header[_HEADER_SHA256] = _header_digest(header)
         atomic_write(directory / HEADER_FILE, lambda file: file.write(json.dumps(header, indent=1).encode()))
     if distributed:  # no rank returns (and perhaps loads) before the header is there
         dist.barrier(group)
@@ -118,6 +125,12 @@ def _read_header(directory: Path) -> Any:
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"checkpoint {directory} is truncated or corrupt ({HEADER_FILE}: {error})") from None
     check_format(header, str(directory))
+    recorded = header.get(_HEADER_SHA256)  # absent from checkpoints written before fmp recorded it
+    if recorded is not None and recorded != _header_digest(header):
+        raise CheckpointError(
+            f"checkpoint {directory} is truncated or corrupt (the sha256 of its {HEADER_FILE} does not match); "
+            f"load an earlier checkpoint"
+        )
     return header
 
 
@@ -162,7 +175,8 @@ def load_sharded(
     whole value. A plain leaf on the meta device gets the value on `device`. `target` is not
     modified: the values go to fresh tensors.
 
-    What is checked: the header (format, structure, global shapes and dtypes) against `target`;
+    What is checked: the header's own sha256 (for checkpoints that record it), then the header
+    (format, structure, global shapes and dtypes) against `target`;
     that torch.distributed.checkpoint finds every shard it needs and can read it; every loss
     scale and counter's range; and, for checkpoints that record it, the sha256 of each leaf that
     was saved as a plain (replicated) tensor and is loaded into a plain one. What is not: the
