@@ -27,6 +27,7 @@ from conftest import mlp_loss
 from conftest import mlp_params
 
 import fmp
+from fmp._struct import replace
 from fmp.serialization import CheckpointError
 from fmp.serialization import load
 from fmp.serialization import load_sharded
@@ -274,10 +275,15 @@ def raw_dynamic(scale: float, tracker: int = 0) -> fmp.DynamicLossScale:
     ids=["nan", "inf", "zero", "negative", "tracker", "second-scaler", "counts", "float-counter", "adam-step"],
 )
 def test_a_saved_scale_or_counter_out_of_range_is_refused_naming_the_field(
-    edit: Any, fragment: str, tmp_path: Path
+    edit: Any, fragment: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     bad = edit(make_state(scaler=raw_dynamic(2.0)))
-    save(bad, tmp_path / "bad.pt")
+    with pytest.raises(ValueError) as error:
+        save(bad, tmp_path / "bad.pt")
+    refused(error, fragment)
+    with monkeypatch.context() as patch:  # a file written by a save that did not check: an edited one
+        patch.setattr(fmp.serialization._file, "check_values", lambda state: None)
+        save(bad, tmp_path / "bad.pt")
     with pytest.raises(ValueError) as error:
         load(tmp_path / "bad.pt", bad)  # a target alike, so only the values are wrong
     refused(error, f"checkpoint {tmp_path / 'bad.pt'}: {fragment}")
@@ -322,6 +328,30 @@ def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint_whole(tmp_path:
             load(leftovers[0], state)
     save(state, path)  # the dead writer's partial file goes
     assert os.listdir(tmp_path) == [path.name]
+
+
+def test_a_save_removes_its_dead_writers_partial_files_and_no_other_checkpoints(tmp_path: Path) -> None:
+    host, dead = socket.gethostname(), 2**22 + 1  # above Linux's largest pid: no such process
+    own = tmp_path / f".ckpt.{host}.{dead}.a1b2c3d4.partial"
+    # A checkpoint named ckpt.HOST.N starts with this one's name and host; its writer's partial is not ours.
+    other = tmp_path / f".ckpt.{host}.{dead}.{host}.{dead}.e5f6g7h8.partial"
+    for partial in (own, other):
+        partial.write_bytes(b"partial")
+    save(make_state(), tmp_path / "ckpt")
+    assert sorted(os.listdir(tmp_path)) == sorted(["ckpt", other.name])
+
+
+def test_a_state_load_would_refuse_is_refused_by_save_naming_the_leaf(tmp_path: Path) -> None:
+    state = make_state()
+    crafted = state._replace(scaler=replace(state.scaler, loss_scale=state.scaler.loss_scale.double()))
+    with pytest.raises(ValueError, match=r"state\.scaler\.loss_scale must be a float32 tensor, got torch\.float64"):
+        save(crafted, tmp_path / "crafted.pt")
+    sparse = {"emb": torch.eye(3).to_sparse()}
+    with pytest.raises(
+        TypeError, match=r"state\['emb'\] is a torch\.sparse_coo tensor; .* save state\['emb'\]\.to_dense"
+    ):
+        save(sparse, tmp_path / "sparse.pt")
+    assert os.listdir(tmp_path) == []  # nothing written
 
 
 def test_a_sharded_state_saved_on_two_ranks_loads_whole_in_one_process(tmp_path: Path) -> None:

@@ -44,6 +44,9 @@ def _checksum(header: dict[str, Any], leaves: list[torch.Tensor]) -> str:
 def _host_copy(leaf: torch.Tensor, where: str) -> torch.Tensor:
     if leaf.is_meta:
         raise ValueError(f"{where} is on the meta device, which holds no values to save; save a materialized state")
+    if leaf.layout != torch.strided or leaf.is_nested:
+        kind = "a nested" if leaf.is_nested else f"a {leaf.layout}"
+        raise TypeError(f"{where} is {kind} tensor; a state's leaves are dense tensors: save {where}.to_dense()")
     # resolve_conj/resolve_neg: a lazily conjugated complex leaf (`x.conj()`) has no uint8 view.
     leaf = leaf.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
     # torch.save writes a view's whole storage: copy a slice out so the file holds only the state.
@@ -62,8 +65,10 @@ def _remove_stale_partials(path: Path) -> None:
     for entry in os.scandir(path.parent):
         if not (entry.name.startswith(prefix) and entry.name.endswith(_PARTIAL)):
             continue
-        pid = entry.name[len(prefix) :].split(".", 1)[0]
-        if not pid.isdigit():
+        # PID.TOKEN, the token mkstemp's (no dots): another checkpoint's name may start with this
+        # one's and the host's (`ckpt.HOST.7`), and its partial files are not this one's.
+        pid, _, token = entry.name[len(prefix) : -len(_PARTIAL)].partition(".")
+        if not pid.isdigit() or not token or "." in token:
             continue
         try:
             os.kill(int(pid), 0)  # signal 0 only asks whether the process exists
@@ -139,19 +144,21 @@ def save(state: Any, path: str | os.PathLike[str]) -> None:
     `path`: a crash mid-save leaves the previous checkpoint whole. The leaves are saved on CPU;
     `torch.load(path, weights_only=True)["state"]` reads the state back without fmp's checks.
 
-    Note: syncs with the host, to copy the leaves there.
+    Note: syncs with the host, to copy the leaves there and check the loss scales and counters.
 
     Args:
-        state: The state; every leaf a tensor (not a DTensor: see `save_sharded`).
+        state: The state; every leaf a dense tensor (not a DTensor: see `save_sharded`).
         path: The file to write; its directory is created if missing.
 
     Raises:
-        TypeError: Naming the first leaf that is not a tensor, or is a DTensor.
-        ValueError: Naming a leaf on the meta device.
+        TypeError: Naming the first leaf that is not a tensor, or is a DTensor, sparse or nested.
+        ValueError: Naming a leaf on the meta device, or a loss-scale field or counter that `load`
+            would refuse (out of range, or of another dtype than fmp's own states hold).
     """
     path = Path(path)
     entries, spec = leaf_entries(state, allow_dtensor=False)
     leaves = [_host_copy(leaf, f"state{key}") for key, leaf in entries]
+    check_values(spec.unflatten(leaves))  # what load would refuse, refused before anything is written
     header = make_header(list(zip((key for key, _ in entries), leaves, strict=True)), spec)
     checkpoint = {**header, "sha256": _checksum(header, leaves), "state": spec.unflatten(leaves)}
     atomic_write(path, lambda file: torch.save(checkpoint, file))
