@@ -292,6 +292,27 @@ class DropoutMLP(nn.Module):
         return F.mse_loss(self.net(x), y)
 
 
+class BiasedAttentionLM(nn.Module):
+    """T5-style attention: a learned float bias per head and position pair as SDPA's mask, dropout inside SDPA."""
+
+    def __init__(self, *, vocab: int = 64, width: int = 32, heads: int = 4, seq_len: int = 16, dropout: float = 0.1):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.embed = nn.Embedding(vocab, width)
+        self.position_bias = nn.Parameter(torch.randn(heads, seq_len, seq_len) * 0.02)
+        self.norm, self.qkv, self.proj = nn.LayerNorm(width), nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        p = self.dropout if self.training else 0.0
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=self.position_bias, dropout_p=p)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
+        return next_token_loss(self.head(x), tokens)
+
+
 build_resnet_cnn = _builder(ResNetCNN)
 build_gpt2 = _builder(_gpt2)
 build_llama = _builder(_llama)
@@ -302,6 +323,7 @@ build_custom_fwd = _builder(CustomFunctionMLP)
 build_tied_embeddings = _builder(TiedLM)
 build_frozen_submodule = _builder(FrozenEncoderClassifier)
 build_dropout = _builder(DropoutMLP)
+build_biased_attention = _builder(BiasedAttentionLM)
 
 _SDPA_NOTE = " Under vmap needs vmap_context() (math SDPA): the fused CPU kernel has no batching rule."
 CASES: tuple[ZooCase, ...] = (
@@ -336,6 +358,10 @@ CASES: tuple[ZooCase, ...] = (
     ZooCase("dropout", build_dropout, features_batch, True,
             "nn.Dropout(0.1): fmp and torch.amp agree only when their RNG draws do (same seed, same op order); "
             "vmap needs randomness='different' or 'same'."),
+    ZooCase("biased_attention", build_biased_attention, functools.partial(token_batch, seq_len=16, vocab=64), True,
+            "T5-style attention: a learned float position bias as scaled_dot_product_attention's mask and dropout "
+            "0.1 inside it, which run on its math kernel; torch.func.grad (compiled, vmap) differentiates it "
+            "only with its backward inside torch.autocast, as fmp runs it." + _SDPA_NOTE),
 )  # fmt: skip
 
 

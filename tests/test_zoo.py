@@ -206,6 +206,7 @@ def compiled_case(name: str, backend: str = "aot_eager", marks: Any = ()) -> Any
 COMPILED_CASES = [
     compiled_case("resnet_cnn"),
     compiled_case("gpt2"),
+    compiled_case("biased_attention"),  # SDPA's math kernel, whose backward torch.func.grad records
     compiled_case("lstm", marks=pytest.mark.slow),
     compiled_case("vit_block", marks=pytest.mark.slow),
     # A ctx-style Function (no setup_context) compiles: Dynamo traces autograd.Function itself, and
@@ -259,17 +260,8 @@ def test_compiled_python_mode_policy_with_max_pooling_is_one_graph() -> None:
         pytest.param(zoo.case("lstm"), NATIVE, id="lstm"),
         pytest.param(zoo.case("frozen_submodule"), NATIVE, id="frozen_submodule"),
         pytest.param(zoo.case("gpt2"), PYTHON_MODE, id="gpt2-python-mode"),
-        pytest.param(
-            zoo.case("gpt2"),
-            NATIVE,
-            id="gpt2-native",
-            marks=pytest.mark.xfail(
-                raises=RuntimeError,
-                strict=True,
-                reason="torch: the backward of math scaled_dot_product_attention under torch.func.grad, with "
-                "torch.autocast('cpu') around the forward only, mixes float32 and bfloat16 (plain autograd does not)",
-            ),
-        ),
+        pytest.param(zoo.case("gpt2"), NATIVE, id="gpt2-native"),
+        pytest.param(zoo.case("biased_attention"), NATIVE, id="biased_attention"),
     ],
 )
 def test_vmapped_ensemble_members_train_as_alone(zoo_case: zoo.ZooCase, policy: fmp.Policy) -> None:
