@@ -132,24 +132,38 @@ def check_losses(out: Any, scaler: ScalerTree) -> Any:
     return tuple(_check_loss(loss, f"loss_fn's loss[{index}] must be") for index, loss in enumerate(out))
 
 
+def _no_dependence_message(which: str) -> str:
+    return (
+        f"loss_fn's {which} does not depend on params, so its gradients are all zero (weight decay and "
+        f"momentum still move the params): was it detached, computed under torch.no_grad or rebuilt from "
+        f".item(), or the model called as model(x) instead of torch.func.functional_call(model, params, (x,))?"
+    )
+
+
+@torch.compiler.assume_constant_result
+def _warn_while_tracing(which: str) -> bool:
+    # Dynamo calls a function of constant result once, while it traces: the warning comes when the
+    # step compiles, where `warnings.warn` itself cannot be traced.
+    warnings.warn(_no_dependence_message(which), UserWarning, stacklevel=2)
+    return True
+
+
 def warn_unless_depends_on_params(loss: torch.Tensor, which: str, params: Any, args: Any) -> None:
     """Warns if `loss`, inside `torch.func.grad`, is not computed from `params` (its gradients are zeros).
 
     Inside the transform a loss tracks the params exactly when it requires grad: a static property,
     read without a sync. A warning, not an error: a loss may be constant on purpose (a term not yet
-    switched on, an empty batch), though more often it was detached by mistake. Eager only, as the
-    module-parameter check, which raises first where it applies.
+    switched on, an empty batch), though more often it was detached by mistake. Compiled, it warns
+    once, while the step is traced. Eager, the module-parameter check runs first and raises where
+    it applies (a loss that reads a module's own parameters, which compiled steps cannot see).
     """
-    if torch.compiler.is_compiling() or loss.requires_grad or not pytree.tree_leaves(params):
+    if loss.requires_grad or not pytree.tree_leaves(params):
+        return
+    if torch.compiler.is_compiling():
+        _warn_while_tracing(which)
         return
     check_reads_no_module_parameters(loss, args)
-    warnings.warn(
-        f"loss_fn's {which} does not depend on params, so its gradients are all zero (weight decay and "
-        f"momentum still move the params): was it detached, computed under torch.no_grad or rebuilt from "
-        f".item(), or the model called as model(x) instead of torch.func.functional_call(model, params, (x,))?",
-        UserWarning,
-        stacklevel=2,
-    )
+    warnings.warn(_no_dependence_message(which), UserWarning, stacklevel=2)
 
 
 def check_aux(aux: Any) -> None:

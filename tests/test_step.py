@@ -3,6 +3,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import warnings
 from typing import Any
 
 import pytest
@@ -519,6 +520,28 @@ def test_a_loss_that_does_not_depend_on_params_warns() -> None:
             policy=fmp.Policy(),
         )
     assert bool(fmp.mixed_precision_grad(uses, params, scaler, x, y, policy=fmp.Policy()).grads_finite)
+
+
+@pytest.mark.compiled
+def test_a_compiled_step_whose_loss_does_not_depend_on_params_warns_while_it_compiles() -> None:
+    frozen = torch.nn.Linear(8, 1).requires_grad_(False)
+    params = {k: v.detach().clone() for k, v in frozen.named_parameters()}
+    optimizer = fmp.optim.sgd(0.1)
+
+    def frozen_model(p: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(frozen(x), y)  # p unused: the model called as model(x)
+
+    step = torch.compile(
+        functools.partial(fmp.train_step, frozen_model, policy=fmp.Policy(), optimizer=optimizer),
+        backend="eager",  # the warning comes while Dynamo traces; no code generation needed
+        fullgraph=True,
+    )
+    state = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create())
+    with pytest.warns(UserWarning, match=r"loss_fn's loss does not depend on params, so its gradients are all"):
+        state, _ = step(state, *batch())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(state, *batch())  # compiled once: no warning per step
 
 
 def test_a_loss_scale_built_without_create_and_non_bool_flags_are_named() -> None:
