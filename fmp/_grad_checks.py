@@ -7,6 +7,7 @@ value on the host. Key paths are built only for an error message.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -140,12 +141,14 @@ def _no_dependence_message(which: str) -> str:
     )
 
 
-@torch.compiler.assume_constant_result
-def _warn_while_tracing(which: str) -> bool:
-    # Dynamo calls a function of constant result once, while it traces: the warning comes when the
-    # step compiles, where `warnings.warn` itself cannot be traced.
-    warnings.warn(_no_dependence_message(which), UserWarning, stacklevel=2)
+def _warn(which: str) -> bool:
+    warnings.warn(_no_dependence_message(which), UserWarning, stacklevel=3)
     return True
+
+
+# Dynamo calls a function of constant result once, while it traces: the warning comes when the step
+# compiles, where `warnings.warn` itself cannot be traced.
+_warn_while_tracing: Callable[[str], bool] = torch.compiler.assume_constant_result(_warn)  # type: ignore[no-untyped-call]
 
 
 def warn_unless_depends_on_params(loss: torch.Tensor, which: str, params: Any, args: Any) -> None:
@@ -163,7 +166,7 @@ def warn_unless_depends_on_params(loss: torch.Tensor, which: str, params: Any, a
         _warn_while_tracing(which)
         return
     check_reads_no_module_parameters(loss, args)
-    warnings.warn(_no_dependence_message(which), UserWarning, stacklevel=2)
+    _warn(which)
 
 
 def check_aux(aux: Any) -> None:
