@@ -396,9 +396,22 @@ def test_step_names_an_optimizer_parameter_outside_the_buffer() -> None:
     other.requires_grad_(False)
     buffer.step(optimizer, torch.tensor(True))
     assert all(torch.equal(p, b) for p, b in zip(other.parameters(), before[-2:], strict=True))
-    # Parameters in another buffer (one per device, say) are another unscale_'s.
-    fmp.interop.GradientBuffer.attach(other.requires_grad_().parameters())
+    # Parameters in another buffer (one per device, say) are another unscale_'s: once it has run.
+    other_buffer = fmp.interop.GradientBuffer.attach(other.requires_grad_().parameters(), compiled=False)
+    buffer.step(optimizer, torch.tensor(True))  # nothing accumulated into the other buffer yet
+    scaler = fmp.StaticLossScale.create(2.0**10)
+    other_buffer.scale(other(torch.randn(5, 2)).square().mean(), scaler).backward()
+    before = [p.detach().clone() for p in [*model.parameters(), *other.parameters()]]
+    with pytest.raises(ValueError, match=r"whose GradientBuffer has not been unscaled since its last backward"):
+        buffer.step(optimizer, torch.tensor(True))
+    after = [*model.parameters(), *other.parameters()]
+    assert all(torch.equal(p, b) for p, b in zip(after, before, strict=True))
+    other_buffer.unscale_(scaler)
     buffer.step(optimizer, torch.tensor(True))
+    # A view set by hand as a gradient is no buffer's.
+    other.weight.grad = torch.ones(4)[:2].view(1, 2)
+    with pytest.raises(ValueError, match=r"\(shape \(1, 2\), torch.float32\), whose gradient no GradientBuffer holds"):
+        buffer.step(optimizer, torch.tensor(True))
 
 
 def test_a_buffer_attached_again_leaves_no_hooks_of_the_old_one() -> None:
@@ -419,9 +432,15 @@ def test_a_shallow_copy_keeps_seeing_backwards_after_the_original_is_gone() -> N
     del original
     gc.collect()
     scaler = fmp.StaticLossScale.create(2.0)
-    for _ in range(2):  # no zero_() between: the second backward's hooks must still mark the gradients
-        handle.scale(loss_of(model, torch.randn(5, 6)), scaler).backward()
+    handle.scale(loss_of(model, torch.randn(5, 6)), scaler).backward()
+    handle.unscale_(scaler)
+    # No zero_() between: the second backward's hooks must still mark the gradients, mixed now.
+    handle.scale(loss_of(model, torch.randn(5, 6)), scaler).backward()
+    with pytest.raises(RuntimeError, match="they mix unscaled and scaled values"):
         handle.unscale_(scaler)
+    handle.zero_()
+    handle.scale(loss_of(model, torch.randn(5, 6)), scaler).backward()
+    handle.unscale_(scaler)
 
 
 def test_named_parameters_attach_alike_and_their_names_are_given() -> None:

@@ -63,6 +63,9 @@ class Accumulation:
         self.since_unscale = True  # gradients copied in at attach may be unscaled once
         self.scaled_backwards: dict[int, int] = {}  # graph task id -> the thread that runs it
         self.unscaled_param: int | None = None
+        self.accumulated = False  # a backward accumulated since the last unscale or zero_()
+        self.unscaled = False  # the gradients hold unscaled values: unscaled, and not zeroed since
+        self.onto_unscaled = False  # a backward accumulated into unscaled values: they mix two scales
         flag = weakref.ref(self)
 
         def marker(index: int) -> Callable[[torch.Tensor], None]:
@@ -70,7 +73,8 @@ class Accumulation:
                 alive = flag()
                 if alive is None:
                     return
-                alive.since_unscale = True
+                alive.since_unscale = alive.accumulated = True
+                alive.onto_unscaled = alive.onto_unscaled or alive.unscaled
                 if alive.unscaled_param is None and not alive.scaled_now():
                     alive.unscaled_param = index
 

@@ -12,6 +12,7 @@ torch optimizer skip an overflowed step on the device.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Iterable
 from collections.abc import Mapping
 from typing import Any
@@ -37,6 +38,16 @@ __all__ = ["GradientBuffer"]
 _ALIGNMENT_BYTES = 64
 
 ScaleT = TypeVar("ScaleT", bound=LossScale)
+
+
+# The buffer each parameter's gradient lives in, for a step that another buffer's parameters share:
+# id(param) -> (param, buffer), both held weakly (a tensor cannot key a WeakKeyDictionary: its == is elementwise).
+_OWNERS: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[GradientBuffer]]] = {}
+
+
+def _owner(param: torch.Tensor) -> GradientBuffer | None:
+    entry = _OWNERS.get(id(param))
+    return entry[1]() if entry is not None and entry[0]() is param else None
 
 
 def _describe(index: int, param: torch.Tensor, name: str | None) -> str:
@@ -158,6 +169,11 @@ class GradientBuffer:
         self._compiled = compiled
         self._view_pointers = tuple(view.data_ptr() for view in views)
         self._accumulation = Accumulation(params)
+        owner = weakref.ref(self)
+        for param in params:
+            if id(param) not in _OWNERS:  # the entry goes with the param
+                weakref.finalize(param, _OWNERS.pop, id(param), None)
+            _OWNERS[id(param)] = (weakref.ref(param), owner)
 
     @classmethod
     def attach(
@@ -178,8 +194,9 @@ class GradientBuffer:
                 dict of them), whose names the errors then give.
             compiled: Whether `unscale_` and `unscale_and_clip_` run `torch.compile`d (a C++
                 compiler on CPU, seconds of compiling on first use, one pass per buffer) or
-                eagerly (`unscale_and_adjust`: no compiler, several passes); the results are
-                bit for bit the same.
+                eagerly (`unscale_and_adjust`: no compiler, several passes). `unscale_` gives the
+                same bits either way; `unscale_and_clip_`'s norm sums in another order compiled,
+                so the norm and the clipped gradients may differ in the last float32 bit.
 
         Returns:
             The buffer handle.
@@ -337,8 +354,10 @@ class GradientBuffer:
         """Zeros every gradient, one fill per buffer, and re-attaches any `.grad` set to None or replaced."""
         for buffer in self._buffers:
             buffer.zero_()
-        self._accumulation.since_unscale = True  # gradients written by hand after this unscale once
-        self._accumulation.restart()
+        accumulation = self._accumulation
+        accumulation.since_unscale = True  # gradients written by hand after this unscale once
+        accumulation.accumulated = accumulation.unscaled = accumulation.onto_unscaled = False
+        accumulation.restart()
         for param, view in zip(self._params, self._views, strict=True):
             if param.grad is not view:
                 param.grad = view
@@ -364,7 +383,8 @@ class GradientBuffer:
                 nor `zero_()` has renewed the gradients since the last `unscale_` or
                 `unscale_and_clip_` (they would be unscaled twice; an in-place edit such as
                 `clip_grad_norm_` renews nothing, and gradients written by hand need a `zero_()`
-                first); or, unless `scaler` is an `fmp.NoOpLossScale`, if a backward that did not
+                first); or if a backward accumulated into unscaled gradients with no `zero_()`
+                between (they mix two scales); or, unless `scaler` is an `fmp.NoOpLossScale`, if a backward that did not
                 start with `.backward()` on a loss `scale` returned (`loss.backward()`,
                 `scaler.scale(loss).backward()`, which the buffer cannot see, or
                 `(scaled + loss).backward()`) accumulated into them since the last `zero_()` or
@@ -408,6 +428,13 @@ class GradientBuffer:
 
     def _unscalable_buffers(self, scaler: LossScale) -> tuple[torch.Tensor, ...]:
         buffers = self.flat()
+        if self._accumulation.onto_unscaled:
+            raise RuntimeError(
+                "a backward accumulated into gradients that unscale_ had already unscaled, with no zero_() between: "
+                "they mix unscaled and scaled values, and no unscale can tell them apart; call grads.zero_() after "
+                "each optimizer step (optimizer.zero_grad(set_to_none=False) zeros them unseen), then run the "
+                "backward again"
+            )
         if not self._accumulation.since_unscale:
             raise RuntimeError(
                 "the gradients were already unscaled: no backward has accumulated into them since, nor has "
@@ -438,24 +465,36 @@ class GradientBuffer:
         for buffer, values in zip(buffers, results, strict=True):
             if values.data_ptr() != buffer.data_ptr():
                 buffer.copy_(values)
-        self._accumulation.since_unscale = False
-        self._accumulation.restart()
+        accumulation = self._accumulation
+        accumulation.since_unscale = accumulation.accumulated = False
+        accumulation.unscaled = True
+        accumulation.restart()
 
     def _check_owns(self, optimizer: torch.optim.Optimizer) -> None:
         """Raises if `optimizer` steps a parameter whose gradient no GradientBuffer holds (no `unscale_` saw it).
 
-        A parameter without a gradient (a frozen one) is not stepped, and one whose gradient is a
-        view (as every buffer's gradients are: one buffer per device, say) may be another buffer's.
+        A parameter without a gradient (a frozen one) is not stepped. One another buffer holds (one
+        buffer per device, say) passes if that buffer was unscaled since its last backward.
         """
         for group_index, group in enumerate(optimizer.param_groups):
             for index, param in enumerate(group["params"]):
                 grad = param.grad
-                if grad is not None and grad._base is None and id(param) not in self._param_ids:
+                if grad is None or id(param) in self._param_ids:
+                    continue
+                where = (
+                    f"the optimizer steps param_groups[{group_index}]['params'][{index}] "
+                    f"(shape {tuple(param.shape)}, {param.dtype})"
+                )
+                owner = _owner(param)
+                if owner is None or not any(grad is view for view in owner._views):
                     raise ValueError(
-                        f"the optimizer steps param_groups[{group_index}]['params'][{index}] "
-                        f"(shape {tuple(param.shape)}, {param.dtype}), whose gradient no GradientBuffer holds: "
-                        "unscale_ never unscaled it, so it would be applied times the loss scale; "
-                        "attach a buffer to every parameter the optimizer steps"
+                        f"{where}, whose gradient no GradientBuffer holds: unscale_ never unscaled it, so it would be "
+                        "applied times the loss scale; attach a buffer to every parameter the optimizer steps"
+                    )
+                if owner._accumulation.accumulated:
+                    raise ValueError(
+                        f"{where}, whose GradientBuffer has not been unscaled since its last backward: its gradients "
+                        "would be applied times the loss scale; call unscale_ on every buffer the optimizer steps"
                     )
 
     def step(self, optimizer: torch.optim.Optimizer, grads_finite: torch.Tensor) -> None:
@@ -474,7 +513,8 @@ class GradientBuffer:
                 or fused SGD with momentum, whose first skipped step leaves its momentum
                 uninitialized), or `grads_finite` is not a tensor.
             ValueError: If `grads_finite` is not a 0-dim bool tensor, or the optimizer steps a
-                parameter this buffer does not hold.
+                parameter whose gradient no buffer holds, or another buffer holds that has not
+                been unscaled since its last backward.
         """
         _check_skips_on_device(optimizer)
         check_finite_flag(grads_finite)
