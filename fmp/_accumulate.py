@@ -103,6 +103,26 @@ class GradientAccumulator:
             steps=steps,
         )
 
+    def _check_fields(self) -> None:
+        """Raises naming the field unless the accumulator's own fields are as `create` makes them.
+
+        A hand-built one with `steps=0` would divide the window's sum by 0, and a negative count
+        flip the gradients' sign, both without a non-finite gradient to skip the step.
+        """
+        check_int("state.accumulator.steps", self.steps, 1, torch.iinfo(torch.int32).max)
+        micro_steps = self.micro_steps
+        if not (isinstance(micro_steps, torch.Tensor) and micro_steps.dtype == torch.int32):
+            found = micro_steps.dtype if isinstance(micro_steps, torch.Tensor) else type(micro_steps).__name__
+            raise TypeError(f"state.accumulator.micro_steps must be a 0-dim int32 tensor, got {found}")
+        if micro_steps.dim() != 0:
+            raise ValueError(
+                f"state.accumulator.micro_steps has shape {tuple(micro_steps.shape)}, but a step's is 0-dim: run a "
+                f"stacked state (fmp.stack_trees) under torch.func.vmap, or take one member with fmp.unstack_tree"
+            )
+        check_finite_flag(self.grads_finite, "state.accumulator.grads_finite")
+        for index, flag in enumerate(pytree.tree_leaves(self.finite_per_loss)):
+            check_finite_flag(flag, f"state.accumulator.finite_per_loss[{index}]")
+
     def _check_like_sums(self, grads: Any) -> None:
         """Raises a ValueError naming the first key, shape or device where `grads` differs from the sums."""
         sum_leaves, spec = pytree.tree_flatten(self.grads)
@@ -141,10 +161,12 @@ class GradientAccumulator:
             The window's mean and flags, and the accumulator for the next micro-batch.
 
         Raises:
-            TypeError, ValueError: If a flag is not a 0-dim bool tensor, `finite_per_loss` has
+            TypeError, ValueError: If the accumulator's own `steps`, `micro_steps` or flags are not
+                as `create` makes them (naming the field), a flag is not a 0-dim bool tensor, `finite_per_loss` has
                 another number of flags than the accumulator was made for, or a gradient's
                 key, shape or device differs from its sum's.
         """
+        self._check_fields()
         check_finite_flag(grads_finite)
         ours, theirs = pytree.tree_structure(self.finite_per_loss), pytree.tree_structure(finite_per_loss)
         if ours != theirs:

@@ -21,6 +21,12 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import fmp
 
 F32 = fmp.Policy()
+
+
+def pytree_clone(tree: Any) -> Any:
+    return torch.utils._pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
+
+
 SGD = fmp.optim.sgd(0.05, momentum=0.9)
 
 
@@ -190,6 +196,31 @@ def test_an_accumulator_on_another_device_is_named() -> None:
             policy=F32,
             optimizer=SGD,
         )
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "error", "message"),
+    [
+        ("steps", 0, ValueError, r"state\.accumulator\.steps must be in \[1, 2147483647\], got 0"),
+        ("steps", -1, ValueError, r"state\.accumulator\.steps must be in \[1, 2147483647\], got -1"),
+        ("steps", "2", TypeError, r"state\.accumulator\.steps must be an int, got str"),
+        ("micro_steps", torch.tensor(0.0), TypeError, r"micro_steps must be a 0-dim int32 tensor, got torch\.float32"),
+        ("micro_steps", torch.zeros(2, dtype=torch.int32), ValueError, r"micro_steps has shape \(2,\)"),
+        ("grads_finite", torch.tensor(1.0), ValueError, r"state\.accumulator\.grads_finite must be a 0-dim bool"),
+    ],
+)
+def test_a_hand_built_accumulator_is_refused_naming_the_field(
+    field: str, value: Any, error: type, message: str
+) -> None:
+    # steps=0 would divide the window's sum by 0, and a negative one flip the gradients' sign, with
+    # no non-finite gradient to skip the step.
+    state = accumulating_state(2)
+    crafted = state._replace(accumulator=fmp._struct.replace(state.accumulator, **{field: value}))
+    kept = pytree_clone(crafted)
+    x, y = next(mlp_batches(1, 0))
+    with pytest.raises(error, match=message):
+        fmp.train_step(mlp_loss, crafted, x, y, policy=F32, optimizer=SGD)
+    assert_trees_bitwise_equal(crafted, kept)
 
 
 def test_accumulation_steps_must_be_an_int() -> None:
