@@ -18,6 +18,7 @@ import torch
 import torch.utils._pytree as py_pytree
 
 import fmp._pytree as pytree
+from fmp._tree_difference import structure_difference
 
 __all__ = [
     "all_finite",
@@ -400,9 +401,10 @@ def stack_trees(trees: list[Tree]) -> Tree:
     for index, tree in enumerate(trees[1:], start=1):
         leaves, other_spec = py_pytree.tree_flatten(tree)
         if other_spec != spec:
+            difference = structure_difference(trees[0], tree, f"trees[{index}]") or f"{other_spec} vs {spec}"
             raise ValueError(
                 f"stack_trees: tree {index} differs in structure from tree 0 (hyperparameters included): "
-                f"{other_spec} vs {spec}"
+                f"{difference} as in trees[0]; members must be built alike"
             )
         others.append(leaves)
     stacked = []

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 from typing import NamedTuple
 
 import pytest
@@ -16,6 +17,7 @@ from fmp._donation import select_into
 from fmp._tree import _finite_magnitude
 from fmp._tree import _finite_rows
 from fmp._tree import _finite_whole
+from fmp._tree_difference import structure_difference
 
 values = st.floats(allow_nan=True, allow_infinity=True, width=32)
 
@@ -111,13 +113,37 @@ def test_select_tree_rejects_mismatched_trees() -> None:
         fmp.select_tree(True, {}, {})  # type: ignore[arg-type]
 
 
+_trees = st.recursive(
+    st.just(torch.zeros(1)),
+    lambda children: st.one_of(
+        st.lists(children, max_size=3),
+        st.lists(children, max_size=3).map(tuple),
+        st.dictionaries(st.sampled_from("abc"), children, max_size=3),
+    ),
+    max_leaves=8,
+)
+
+
+@given(_trees, _trees)
+def test_a_structure_difference_is_named_exactly_where_the_treespecs_differ(first: Any, other: Any) -> None:
+    difference = structure_difference(first, other, "tree")
+    assert (difference is None) == (pytree.tree_structure(first) == pytree.tree_structure(other))
+    assert structure_difference(first, first) is None
+
+
 def test_stack_trees_stacks_members_and_names_a_mismatch() -> None:
     members = [fmp.DynamicLossScale.create(init_scale=2.0**k) for k in (3, 5)]
     stacked = fmp.stack_trees(members)
     assert stacked.loss_scale.tolist() == [8.0, 32.0] and stacked.growth_interval == 2000
     assert float(fmp.unstack_tree(stacked, 1).loss_scale) == 32.0
-    with pytest.raises(ValueError, match="tree 1 differs in structure from tree 0"):
+    with pytest.raises(ValueError, match=r"trees\[1\]\.growth_interval is 7, not 2000 as in trees\[0\]"):
         fmp.stack_trees([members[0], fmp.DynamicLossScale.create(growth_interval=7)])
+    states = [fmp.TrainState.create({"w": torch.ones(2)}, fmp.optim.sgd(0.1), member) for member in members]
+    with pytest.raises(ValueError, match=r"trees\[1\]\.params has keys \['v'\], not \['w'\]"):
+        fmp.stack_trees([states[0], states[1]._replace(params={"v": torch.ones(2)})])
+    adam = fmp.TrainState.create({"w": torch.ones(2)}, fmp.optim.adamw(0.1), members[1])
+    with pytest.raises(ValueError, match=r"trees\[1\]\.opt_state is of type AdamState, not tuple"):
+        fmp.stack_trees([states[0], adam])
     with pytest.raises(ValueError, match="at least one tree"):
         fmp.stack_trees([])
 
