@@ -360,8 +360,9 @@ CASES: tuple[ZooCase, ...] = (
             "vmap needs randomness='different' or 'same'."),
     ZooCase("biased_attention", build_biased_attention, functools.partial(token_batch, seq_len=16, vocab=64), True,
             "T5-style attention: a learned float position bias as scaled_dot_product_attention's mask and dropout "
-            "0.1 inside it, which run on its math kernel; torch.func.grad (compiled, vmap) differentiates it "
-            "only with its backward inside torch.autocast, as fmp runs it." + _SDPA_NOTE),
+            "0.1 inside it, which run on its math kernel. Eager it trains as under torch.amp; compiled or under "
+            "vmap with the CPU rules torch fails in the backward torch.func.grad records (mixed float32 and "
+            "bfloat16): use the default rules (fmp's own mode) there." + _SDPA_NOTE),
 )  # fmt: skip
 
 

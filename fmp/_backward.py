@@ -18,7 +18,6 @@ the way out.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from collections.abc import Callable
 from collections.abc import Sequence
@@ -184,12 +183,7 @@ def _viewing_params(fn: Callable[..., tuple[torch.Tensor, Any]]) -> Callable[...
     return with_views
 
 
-def grad_and_aux(
-    fn: Callable[..., tuple[torch.Tensor, Any]],
-    params: Any,
-    *args: Any,
-    autocast: tuple[str, torch.dtype] | None = None,
-) -> Differentiated:
+def grad_and_aux(fn: Callable[..., tuple[torch.Tensor, Any]], params: Any, *args: Any) -> Differentiated:
     """`torch.func.grad(fn, argnums=0, has_aux=True)(params, *args)`, by plain autograd where it can.
 
     Args:
@@ -197,11 +191,6 @@ def grad_and_aux(
         params: What to differentiate with respect to.
         *args: Further inputs, which enter a transform as inputs (so `fn` may update them in
             place) but are not differentiated.
-        autocast: (device type, dtype) of the `torch.autocast` region `fn` runs in, if any: where
-            `torch.func.grad` differentiates, its backward pass runs inside that region too, as
-            torch's recorded backward of some ops needs (scaled_dot_product_attention with dropout
-            or a float mask mixes float32 and the lower dtype otherwise). Plain autograd's
-            backward runs outside, as `loss.backward()` after a `torch.autocast` block does.
 
     Returns:
         A `Differentiated`: the gradients in the structure of `params`, `fn`'s aux, and which
@@ -215,9 +204,7 @@ def grad_and_aux(
         return _with_autograd(fn, params, *args)
     try:
         differentiated = _viewing_params(fn) if torch.compiler.is_compiling() else fn
-        region = contextlib.nullcontext() if autocast is None else torch.autocast(autocast[0], dtype=autocast[1])
-        with region:
-            grads, aux = torch.func.grad(differentiated, argnums=0, has_aux=True)(params, *args)
+        grads, aux = torch.func.grad(differentiated, argnums=0, has_aux=True)(params, *args)
         return Differentiated(grads, aux, frozenset())
     except RuntimeError as error:
         if _SETUP_CONTEXT_ERROR not in str(error):

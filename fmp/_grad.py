@@ -33,7 +33,6 @@ from fmp._scaler import unscale_and_check
 from fmp._struct import serializable_namedtuple
 from fmp._tree import check_on_device
 from fmp.autocast._transform import autocast
-from fmp.autocast._transform import native_device_type
 
 __all__ = ["Gradients", "LossFn", "differentiate", "mixed_precision_grad", "with_policy"]
 
@@ -179,8 +178,6 @@ def differentiate(
     check_on_device(scaler, device, "scaler", "params", hint)
     scalers = scaler if isinstance(scaler, tuple) else (scaler,)
     forward = _forward(loss_fn, policy)
-    native = native_device_type(policy.rules, (params, args)) if policy.casts_by_op else None
-    region = None if native is None else (native, policy.compute_dtype)  # the torch.autocast the loss runs in
 
     def scaled_losses_fn(params: Any, *args: Any) -> tuple[tuple[torch.Tensor, ...], tuple[Any, Any]]:
         out = forward(params, *args)
@@ -209,9 +206,9 @@ def differentiate(
         # `args` go in as inputs, not captured: torch.func refuses in-place updates of captured
         # tensors, such as a train-mode BatchNorm's running statistics passed as an argument.
         if not fp8_scales:
-            return grad_and_aux(scaled_loss_fn, params, *args, autocast=region)
+            return grad_and_aux(scaled_loss_fn, params, *args)
         scales_device = pytree.tree_leaves(params[1])[0].device
-        return grad_and_aux(scaled_loss_fn, params, *args, loss_scales(scalers[index], scales_device), autocast=region)
+        return grad_and_aux(scaled_loss_fn, params, *args, loss_scales(scalers[index], scales_device))
 
     if not isinstance(scaler, tuple):
         scaled_grads, (loss, aux), owned = grad_of_loss(0)

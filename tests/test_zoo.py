@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -196,6 +197,18 @@ def compile_step(
     return torch.compile(step, backend=counter, fullgraph=True), counter
 
 
+# torch: scaled_dot_product_attention's math kernel (a CPU call with dropout or a float mask, or
+# any call under vmap_context) differentiated by torch.func.grad with torch.autocast("cpu") around
+# the forward only mixes float32 and bfloat16 in its recorded backward, where plain autograd does not.
+# Running the backward inside the region too would fix it but cast the backward of every region the
+# forward ran in float32, so fmp leaves it to torch; the docs give the ways around it.
+MATH_SDPA_UNDER_TORCH_FUNC = pytest.mark.xfail(
+    raises=RuntimeError,
+    strict=True,
+    reason="torch: math scaled_dot_product_attention's backward under torch.func.grad and torch.autocast('cpu')",
+)
+
+
 def compiled_case(name: str, backend: str = "aot_eager", marks: Any = ()) -> Any:
     return pytest.param(zoo.case(name), backend, id=f"{name}-{backend}", marks=marks)
 
@@ -206,7 +219,7 @@ def compiled_case(name: str, backend: str = "aot_eager", marks: Any = ()) -> Any
 COMPILED_CASES = [
     compiled_case("resnet_cnn"),
     compiled_case("gpt2"),
-    compiled_case("biased_attention"),  # SDPA's math kernel, whose backward torch.func.grad records
+    compiled_case("biased_attention", marks=MATH_SDPA_UNDER_TORCH_FUNC),
     compiled_case("lstm", marks=pytest.mark.slow),
     compiled_case("vit_block", marks=pytest.mark.slow),
     # A ctx-style Function (no setup_context) compiles: Dynamo traces autograd.Function itself, and
@@ -236,6 +249,20 @@ def test_compiled_step_is_one_graph_close_to_torch_amp(zoo_case: zoo.ZooCase, ba
 
 
 @pytest.mark.compiled
+def test_attention_with_dropout_and_a_float_mask_compiles_under_fmps_own_mode() -> None:
+    # The way around MATH_SDPA_UNDER_TORCH_FUNC: the default rules run fmp's Python mode, whose
+    # casts autograd records as ops of their own, so torch.func.grad's backward keeps their dtypes.
+    zoo_case = zoo.case("biased_attention")
+    model = build(zoo_case)
+    batches = draw_batches(zoo_case)
+    compiled, counter = compile_step(model, PYTHON_MODE, "aot_eager")
+    run, _, infos = fmp_run(initial_state(model, fmp_optimizer(model)), compiled, batches)
+    assert counter.frame_count == 1
+    assert all(bool(info.applied) for info in infos)
+    assert all(math.isfinite(loss) for loss in run.losses)
+
+
+@pytest.mark.compiled
 @pytest.mark.slow  # tests/test_model_state.py compiles fmp's mode over max pooling and BatchNorm too
 def test_compiled_python_mode_policy_with_max_pooling_is_one_graph() -> None:
     # The default rules on CPU tensors run fmp's Python-mode autocast, whose F.max_pool2d once ended the graph.
@@ -260,8 +287,8 @@ def test_compiled_python_mode_policy_with_max_pooling_is_one_graph() -> None:
         pytest.param(zoo.case("lstm"), NATIVE, id="lstm"),
         pytest.param(zoo.case("frozen_submodule"), NATIVE, id="frozen_submodule"),
         pytest.param(zoo.case("gpt2"), PYTHON_MODE, id="gpt2-python-mode"),
-        pytest.param(zoo.case("gpt2"), NATIVE, id="gpt2-native"),
-        pytest.param(zoo.case("biased_attention"), NATIVE, id="biased_attention"),
+        pytest.param(zoo.case("gpt2"), NATIVE, id="gpt2-native", marks=MATH_SDPA_UNDER_TORCH_FUNC),
+        pytest.param(zoo.case("biased_attention"), NATIVE, id="biased_attention", marks=MATH_SDPA_UNDER_TORCH_FUNC),
     ],
 )
 def test_vmapped_ensemble_members_train_as_alone(zoo_case: zoo.ZooCase, policy: fmp.Policy) -> None:

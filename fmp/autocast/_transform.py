@@ -44,7 +44,7 @@ from fmp.autocast._rules import RULE_SETS
 from fmp.autocast._rules import Cast
 from fmp.autocast._rules import RuleSet
 
-__all__ = ["AutocastMode", "NativeRegion", "autocast", "native_device_type", "resolve_rules"]
+__all__ = ["AutocastMode", "NativeRegion", "autocast", "resolve_rules"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -377,16 +377,6 @@ def _native_device_type(rules: str | RuleSet) -> str | None:
         if rules is built_in:
             return device_type
     return None
-
-
-def native_device_type(rules: str | None, tree: Any) -> str | None:
-    """The device type whose `torch.autocast` a region of `rules` over the tensors of `tree` runs on, or None.
-
-    A built-in rule set runs on torch's own autocast where every floating tensor it is given is
-    on that set's device (`NativeRegion`); other rules, and other devices, on fmp's Python mode.
-    """
-    native = None if rules is None else _native_device_type(rules)
-    return native if native is not None and _floating_tensors_on(native, tree) else None
 
 
 def _floating_tensors_on(device_type: str, tree: Any) -> bool:
