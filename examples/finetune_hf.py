@@ -14,8 +14,9 @@ directory an earlier run wrote with `--save`; `--text FILE` trains on a text fil
 
 The step runs the model through `fmp.nn.call` (a functional call with the params and buffers that
 `fmp.nn.split` took out of it), so the module keeps its own weights until `fmp.nn.write_back` copies
-the trained ones in. On CPU the compute dtype is bfloat16 with torch.autocast's CPU rules, on CUDA
-float16 with its CUDA rules (`--compute` picks another); the loss is taken in float32 either way.
+the trained ones in. On CPU the compute dtype is bfloat16 with torch.autocast's CPU rules (compiled,
+the default rules, as the pitfalls page says for attention with dropout), on CUDA float16 with its
+CUDA rules (`--compute` picks another); the loss is taken in float32 either way.
 
 The plot (`--plot`) needs matplotlib (`pip install matplotlib`); without it the run says so and goes on.
 """
@@ -223,7 +224,9 @@ def main(argv: Sequence[str] | None = None) -> Result:
         out, buffers = fmp.nn.call(model, params, buffers, input_ids, labels=input_ids, use_cache=False)
         return out.loss, buffers
 
-    rules = "cpu" if device.type == "cpu" else "cuda"  # torch.autocast's own op lists for the device
+    # torch.autocast's own op lists for the device; compiled on a CPU, fmp's own mode with the default
+    # rules, as torch cannot differentiate attention with dropout under torch.func.grad with the CPU ones.
+    rules = "cpu" if device.type == "cpu" and not args.compile else "cuda"
     policy = fmp.get_policy(f"params=float32,compute={args.compute},output=float32,rules={rules}", device_type=device)
     schedule = fmp.optim.schedule.warmup_cosine(lr, warmup_steps=max(args.steps // 10, 1), total_steps=args.steps + 1)
     optimizer = fmp.optim.clip_by_global_norm(fmp.optim.adamw(schedule, weight_decay=0.01), args.clip)
