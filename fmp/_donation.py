@@ -68,37 +68,71 @@ def check_distinct(donated: Any, name: str) -> list[Any]:
     return leaves
 
 
+def _element_bytes(x: torch.Tensor) -> torch.Tensor:
+    """The address of each element of `x`'s first byte, relative to its storage, sorted."""
+    offsets = torch.full((), x.storage_offset(), dtype=torch.int64)
+    for size, stride in zip(x.shape, x.stride(), strict=True):
+        offsets = offsets[..., None] + torch.arange(size) * stride
+    return (offsets.reshape(-1) * x.element_size()).sort().values
+
+
+def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors over one storage have an element with a byte in common (exact, by enumeration)."""
+    starts_a, starts_b = _element_bytes(a), _element_bytes(b)
+    # An element of b begins inside one of a, or one of a inside one of b.
+    before = torch.searchsorted(starts_a, starts_b, right=True) - 1
+    inside_a = (before >= 0) & (starts_b < starts_a[before.clamp(min=0)] + a.element_size())
+    before = torch.searchsorted(starts_b, starts_a, right=True) - 1
+    inside_b = (before >= 0) & (starts_a < starts_b[before.clamp(min=0)] + b.element_size())
+    return bool(inside_a.any() or inside_b.any())
+
+
 def _span(x: torch.Tensor) -> tuple[int, int]:
-    """The addresses from `x`'s first element to one past its last (its strides are not negative)."""
+    """The bytes of its storage that `x` reaches, from its first element's first to its last's last."""
     extent = sum((size - 1) * stride for size, stride in zip(x.shape, x.stride(), strict=True)) + 1
-    return x.data_ptr(), x.data_ptr() + extent * x.element_size()
+    start = x.storage_offset() * x.element_size()
+    return start, start + extent * x.element_size()
 
 
 def _check_no_overlap(donated: Any, leaves: list[Any], name: str) -> None:
-    """Raises naming two distinct donated tensors whose elements may share memory (views of one buffer).
+    """Raises naming two donated tensors that share an element: views made of one another or of one base.
 
     Eager only: storages cannot be read while Dynamo traces, nor through a torch.func transform's
-    wrappers, under which nothing is written in place. Views of one storage whose element ranges
-    do not meet (slices of a flat buffer) pass.
+    wrappers, under which nothing is written in place. Only views (`_base` set) are looked at, so
+    a state without views costs one attribute read per leaf; tensors that share memory otherwise
+    (one storage loaded twice, NumPy arrays over one buffer) are not seen. Tensors that are not
+    written in place (expanded ones: `writable`) and views of one buffer whose elements do not
+    meet (slices, column blocks, a complex tensor's real and imaginary parts) pass.
     """
     if torch._C._functorch.get_interpreter_stack():
         return
-    by_storage: dict[int, list[int]] = {}
-    for index, leaf in enumerate(leaves):
-        if _plain(leaf) and leaf.numel():
-            by_storage.setdefault(leaf.untyped_storage().data_ptr(), []).append(index)
-    for indices in by_storage.values():
-        spans = sorted((_span(leaves[index]), index) for index in indices)
-        reach, first = spans[0][0][1], spans[0][1]  # the furthest end so far, and whose it is
-        for (start, end), second in spans[1:]:
-            if start < reach:
-                paths = [f"{name}{py_pytree.keystr(path)}" for path, _ in py_pytree.tree_flatten_with_path(donated)[0]]
-                raise ValueError(
-                    f"donate=True needs tensors that own their memory, but {paths[first]} and {paths[second]} share "
-                    f"elements (one is a view of the other?): the step would write two updates into one buffer"
-                )
-            if end > reach:
-                reach, first = end, second
+    views = [index for index, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf._base is not None]
+    if not views:
+        return
+    index_of = {id(leaf): index for index, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)}
+    by_base: dict[int, list[int]] = {}
+    for index in views:
+        base = leaves[index]._base
+        group = by_base.setdefault(id(base), [])
+        if not group and id(base) in index_of:
+            group.append(index_of[id(base)])  # the base itself, donated beside its view
+        group.append(index)
+    for group in by_base.values():
+        members = [i for i in group if _plain(leaves[i]) and leaves[i].numel() and not leaves[i].is_meta]
+        members = [i for i in members if writable(leaves[i])]
+        spans = sorted((_span(leaves[i]), i) for i in members)
+        active: list[tuple[int, int]] = []  # (end, index) of the spans met so far
+        for (start, end), second in spans:
+            for reach, first in active:
+                if start < reach and _share_elements(leaves[first], leaves[second]):
+                    paths = [f"{name}{py_pytree.keystr(p)}" for p, _ in py_pytree.tree_flatten_with_path(donated)[0]]
+                    raise ValueError(
+                        f"donate=True needs tensors that own their memory, but {paths[first]} and {paths[second]} "
+                        f"share elements (one is a view of the other?): the step would write two updates into one "
+                        f"buffer"
+                    )
+            active = [(reach, i) for reach, i in active if reach > start]
+            active.append((end, second))
 
 
 def writes_in_place(*trees: Any) -> bool:

@@ -21,6 +21,7 @@ from conftest import snapshot
 from torch.testing._internal.two_tensor import TwoTensor
 
 import fmp
+from fmp._donation import check_distinct
 from fmp._donation import copy_aliases
 from fmp._donation import storage_use_count
 from fmp._donation import writable
@@ -245,6 +246,34 @@ def test_donating_tensors_that_view_one_another_is_refused_eager() -> None:
     with pytest.raises(ValueError, match=message):
         fmp.train_step(mlp_loss, viewing, x, y, policy=BF16, optimizer=optimizer, donate=True)
     assert_unmutated(viewing, kept)
+
+
+def test_the_overlap_check_refuses_exactly_the_views_that_share_an_element() -> None:
+    buffer = torch.zeros(8, 18)
+    complex_buffer = torch.zeros(4, dtype=torch.complex64)
+    scalar = torch.zeros(())
+    apart = {
+        "column blocks": {"a": buffer[:, :8], "b": buffer[:, 8:9].t(), "c": buffer[:, 9:]},
+        "interleaved rows": dict(zip("ab", torch.stack([torch.zeros(3), torch.zeros(3)], 1).unbind(1), strict=True)),
+        "real and imaginary parts": {"re": complex_buffer.real, "im": complex_buffer.imag[1:]},
+        "expanded, never written in place": {"a": scalar.expand(3), "b": scalar.expand(2)},
+        "meta": {"a": torch.empty(4, device="meta")[:2], "b": torch.empty(4, device="meta")[2:]},
+        "a base and a view beyond it": {"a": buffer[0], "b": buffer[1:]},
+    }
+    for layout, tree in apart.items():
+        assert check_distinct(tree, "state") == pytree.tree_leaves(tree), layout
+    meeting = {
+        "a view of a donated tensor": ({"w": buffer, "m": buffer[2:4]}, r"state\['w'\] and state\['m'\]"),
+        "column blocks that meet": ({"a": buffer[:, :8], "b": buffer[:, 7:9]}, r"state\['a'\] and state\['b'\]"),
+        "one complex element, both parts": (
+            {"z": complex_buffer[1:2], "re": complex_buffer.real[1:]},
+            r"state\['z'\] and state\['re'\]",
+        ),
+    }
+    for layout, (tree, names) in meeting.items():
+        with pytest.raises(ValueError, match=names + " share elements"):
+            check_distinct(tree, "state")
+            raise AssertionError(layout)
 
 
 def test_donated_slices_of_one_flat_buffer_that_do_not_meet_are_written_as_the_pure_step() -> None:

@@ -101,12 +101,14 @@ def _runs_native(recipe: Recipe, a: Quantized, b: Quantized, out_dtype: torch.dt
     dequantized operands, which Inductor fuses. On CUDA the device must have FP8 tensor cores
     (`cuda_runs_fp8`), the output be a 16- or 32-bit float, and the operands not both E5M2.
     """
-    # torch checks the contracted dim and the second operand's columns; the first's rows may be any number.
-    (_, contracted), (_, columns) = a.data.shape, b.data.shape
-    if _name(recipe) not in _NATIVE or contracted % 16 or columns % 16:
-        return False
     devices = {a.data.device.type, b.data.device.type}
-    if devices not in ({"cpu"}, {"cuda"}):
+    if _name(recipe) not in _NATIVE or devices not in ({"cpu"}, {"cuda"}):
+        return False
+    # CUDA's kernel wants the contracted dim and the second operand's columns in multiples of 16;
+    # the first's rows may be any number. The CPU emulation keeps to every dim a multiple of 16, where
+    # it sums in the dequantized product's order, bit for bit.
+    (rows, contracted), (_, columns) = a.data.shape, b.data.shape
+    if contracted % 16 or columns % 16 or (devices == {"cpu"} and rows % 16):
         return False
     if devices == {"cuda"} and (
         a.data.dtype == b.data.dtype == torch.float8_e5m2
