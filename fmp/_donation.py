@@ -70,7 +70,7 @@ def check_distinct(donated: Any, name: str) -> list[Any]:
 
 def _element_bytes(x: torch.Tensor) -> torch.Tensor:
     """The address of each element of `x`'s first byte, relative to its storage, sorted."""
-    offsets = torch.full((), x.storage_offset(), dtype=torch.int64)
+    offsets = torch.full((), int(x.storage_offset()), dtype=torch.int64)
     for size, stride in zip(x.shape, x.stride(), strict=True):
         offsets = offsets[..., None] + torch.arange(size) * stride
     return (offsets.reshape(-1) * x.element_size()).sort().values
@@ -88,9 +88,9 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _span(x: torch.Tensor) -> tuple[int, int]:
-    """The bytes of its storage that `x` reaches, from its first element's first to its last's last."""
-    extent = sum((size - 1) * stride for size, stride in zip(x.shape, x.stride(), strict=True)) + 1
-    start = x.storage_offset() * x.element_size()
+    """The bytes of its storage that `x` reaches, from its first element's first to its last's last (eager)."""
+    extent = sum(int(size - 1) * int(stride) for size, stride in zip(x.shape, x.stride(), strict=True)) + 1
+    start = int(x.storage_offset()) * x.element_size()
     return start, start + extent * x.element_size()
 
 
