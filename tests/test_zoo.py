@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -249,30 +248,26 @@ def test_compiled_step_is_one_graph_close_to_torch_amp(zoo_case: zoo.ZooCase, ba
 
 
 @pytest.mark.compiled
-def test_attention_with_dropout_and_a_float_mask_compiles_under_fmps_own_mode() -> None:
-    # The way around MATH_SDPA_UNDER_TORCH_FUNC: the default rules run fmp's Python mode, whose
-    # casts autograd records as ops of their own, so torch.func.grad's backward keeps their dtypes.
-    zoo_case = zoo.case("biased_attention")
+@pytest.mark.parametrize(
+    "name",
+    [
+        # fmp's Python-mode autocast's F.max_pool2d once ended the graph (tests/test_model_state.py
+        # compiles that mode over max pooling and BatchNorm too).
+        pytest.param("resnet_cnn", marks=pytest.mark.slow),
+        # The way around MATH_SDPA_UNDER_TORCH_FUNC: fmp's mode casts by ops of its own, which
+        # torch.func.grad's recorded backward keeps in their dtypes.
+        "biased_attention",
+    ],
+)
+def test_compiled_python_mode_policy_is_one_graph_close_to_torch_amp(name: str) -> None:
+    # The default rules on CPU tensors run fmp's Python-mode autocast.
+    zoo_case = zoo.case(name)
     model = build(zoo_case)
     batches = draw_batches(zoo_case)
     compiled, counter = compile_step(model, PYTHON_MODE, "aot_eager")
     run, _, infos = fmp_run(initial_state(model, fmp_optimizer(model)), compiled, batches)
     assert counter.frame_count == 1
     assert all(bool(info.applied) for info in infos)
-    assert all(math.isfinite(loss) for loss in run.losses)
-
-
-@pytest.mark.compiled
-@pytest.mark.slow  # tests/test_model_state.py compiles fmp's mode over max pooling and BatchNorm too
-def test_compiled_python_mode_policy_with_max_pooling_is_one_graph() -> None:
-    # The default rules on CPU tensors run fmp's Python-mode autocast, whose F.max_pool2d once ended the graph.
-    zoo_case = zoo.case("resnet_cnn")
-    model = build(zoo_case)
-    batches = draw_batches(zoo_case)
-    compiled, counter = compile_step(model, PYTHON_MODE, "aot_eager")
-    run, _, _ = fmp_run(initial_state(model, fmp_optimizer(model)), compiled, batches)
-    assert counter.frame_count == 1
-    assert all(torch.isfinite(loss) for loss in run.losses)
     expected = torch_amp_run(model, batches)
     assert_trees_close(run.losses, expected.losses, **LOSS_TOLERANCE)
 
