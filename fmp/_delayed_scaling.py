@@ -28,6 +28,7 @@ from typing import Any
 from typing import NamedTuple
 
 import torch
+import torch.utils._pytree as py_pytree
 
 import fmp._pytree as pytree
 from fmp._checks import check_int
@@ -40,7 +41,15 @@ from fmp._struct import pytree_dataclass
 from fmp._struct import replace
 from fmp._struct import static_field
 
-__all__ = ["ROLES", "DelayedScaling", "DelayedScalingState", "Fp8Scales", "check_fp8_states", "delayed"]
+__all__ = [
+    "ROLES",
+    "DelayedScaling",
+    "DelayedScalingState",
+    "Fp8Scales",
+    "check_fp8_state_shapes",
+    "check_fp8_states",
+    "delayed",
+]
 
 ROLES: tuple[Role, ...] = ("input", "weight", "grad_output")
 """The tensors of an FP8 linear that a `DelayedScalingState` scales, in the order of its columns."""
@@ -202,19 +211,74 @@ def is_delayed_state(x: Any) -> bool:
     return isinstance(x, DelayedScalingState)
 
 
-def check_fp8_states(fp8: Any) -> None:
-    """Raises unless every node of `fp8` that holds tensors is a `DelayedScalingState` of float32 tensors.
+def _states(fp8: Any, where: str) -> list[tuple[str, Any]]:
+    """`fp8`'s nodes that hold tensors, each with its path (`state.fp8['blocks.0.mlp']`)."""
+    pairs = py_pytree.tree_flatten_with_path(fp8, is_leaf=is_delayed_state)[0]
+    return [(f"{where}{py_pytree.keystr(path)}", leaf) for path, leaf in pairs]
+
+
+def check_fp8_states(fp8: Any, where: str = "state.fp8") -> None:
+    """Raises unless every node of `fp8` that holds tensors is a sound `DelayedScalingState`, naming it.
+
+    Sound: float32 tensors that autograd does not track, an amax history of shape (history_len, 3)
+    whose entries are finite and >= 0, and scales of shape (3,) that are finite and > 0 (a NaN or 0
+    scale would skip every step from then on, as a skipped step keeps the state).
+
+    Note: syncs with the host, to read the values; call it where a state enters, not per step.
 
     Raises:
-        TypeError: Naming the first leaf that is not one.
+        TypeError: Naming the first node that is not a DelayedScalingState, or a tensor of another dtype
+            or that requires grad.
+        ValueError: Naming the first state of another shape or with values out of range.
     """
-    for leaf in pytree.tree_leaves(fp8, is_leaf=is_delayed_state):
-        if not isinstance(leaf, DelayedScalingState):
+    check_fp8_state_shapes(fp8, where)
+    for path, state in _states(fp8, where):
+        if not bool(torch.isfinite(state.scale).all() & (state.scale > 0).all()):
+            raise ValueError(
+                f"{path}.scale must be finite and > 0, got {state.scale.tolist()}: make the state with "
+                f"fmp.fp8.init_states(model, recipes), or load a sound checkpoint"
+            )
+        history = state.amax_history
+        if not bool(torch.isfinite(history).all() & (history >= 0).all()):
+            raise ValueError(
+                f"{path}.amax_history must be finite and >= 0: make the state with fmp.fp8.init_states(model, "
+                f"recipes), or load a sound checkpoint"
+            )
+
+
+def _sound_shapes(state: Any) -> bool:
+    if not isinstance(state, DelayedScalingState):
+        return False
+    history, scale = state.amax_history, state.scale
+    tensors = (history, scale)
+    if not all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and not t.requires_grad for t in tensors):
+        return False
+    return history.dim() == 2 and history.shape[0] >= 1 and history.shape[1] == len(ROLES) and scale.shape == (3,)
+
+
+def check_fp8_state_shapes(fp8: Any, where: str = "state.fp8") -> None:
+    """`check_fp8_states`' static part (types, dtypes, shapes, no autograd), for every step: no host sync.
+
+    The states are looked at without their paths; the paths are spelled out only for the message.
+    """
+    if all(map(_sound_shapes, pytree.tree_leaves(fp8, is_leaf=is_delayed_state))):
+        return
+    for path, state in _states(fp8, where):
+        if not isinstance(state, DelayedScalingState):
             raise TypeError(
                 f"TrainState.fp8 holds DelayedScalingStates (fmp.fp8.init_states(model, recipes)), got a "
-                f"{type(leaf).__name__}"
+                f"{type(state).__name__} at {path}"
             )
         for name in ("amax_history", "scale"):
-            tensor = getattr(leaf, name)
+            tensor = getattr(state, name)
             if not (isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32):
-                raise TypeError(f"a DelayedScalingState's {name} must be a float32 tensor, got {tensor!r}")
+                raise TypeError(f"{path}.{name} must be a float32 tensor, got {tensor!r}")
+            if tensor.requires_grad:
+                raise TypeError(f"{path}.{name} requires grad: a state's tensors are values; pass it .detach()ed")
+        history, scale = state.amax_history, state.scale
+        if history.dim() != 2 or history.shape[0] < 1 or history.shape[1] != len(ROLES) or scale.shape != (3,):
+            raise ValueError(
+                f"{path} holds an amax_history of shape {tuple(history.shape)} and a scale of shape "
+                f"{tuple(scale.shape)}, where (history_len, 3) and (3,) belong: run a stacked state "
+                f"(fmp.stack_trees) under torch.func.vmap, or make it with fmp.fp8.init_states(model, recipes)"
+            )

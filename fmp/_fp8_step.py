@@ -20,7 +20,10 @@ from typing import Any
 import torch
 
 import fmp._pytree as pytree
+from fmp._delayed_scaling import DelayedScaling
+from fmp._delayed_scaling import DelayedScalingState
 from fmp._delayed_scaling import Fp8Scales
+from fmp._delayed_scaling import check_fp8_state_shapes
 from fmp._delayed_scaling import is_delayed_state
 from fmp._policy import Policy
 from fmp._tree import select_tree
@@ -35,7 +38,8 @@ __all__ = [
 ]
 
 TAKES_FP8_SCALES = "_fmp_takes_fp8_scales"
-"""The attribute `fmp.fp8.fp8_modules` sets on a loss function that takes `Fp8Scales` after the params."""
+"""The attribute `fmp.fp8.fp8_modules` sets on a loss function that takes `Fp8Scales` after the params:
+its delayed recipes by layer name, which the states must have been made from."""
 
 
 def has_fp8_states(fp8: Any) -> bool:
@@ -43,9 +47,15 @@ def has_fp8_states(fp8: Any) -> bool:
     return bool(pytree.tree_leaves(fp8))
 
 
-def check_fp8_step(loss_fn: Callable[..., Any], has_states: bool, policy: Policy) -> None:
-    """Raises where the loss function and `TrainState.fp8` disagree, or the policy would cast the scales."""
-    takes_scales = bool(getattr(loss_fn, TAKES_FP8_SCALES, False))
+def check_fp8_step(loss_fn: Callable[..., Any], fp8: Any, policy: Policy) -> None:
+    """Raises where the loss function and `TrainState.fp8` disagree, or the policy would cast the scales.
+
+    Static checks only (no host sync): each state's shapes, its settings against the recipe its
+    layer runs on (`fp8_modules`), and no state for a layer that has none.
+    """
+    recipes = getattr(loss_fn, TAKES_FP8_SCALES, None)
+    takes_scales = bool(recipes)
+    has_states = has_fp8_states(fp8)
     if not has_states:
         if takes_scales:
             raise TypeError(
@@ -58,11 +68,40 @@ def check_fp8_step(loss_fn: Callable[..., Any], has_states: bool, policy: Policy
             "state.fp8 holds delayed-scaling states but loss_fn does not take them: transform it with "
             "fmp.fp8.fp8_modules(loss_fn, model, recipes), the recipes state.fp8 was made from"
         )
+    check_fp8_state_shapes(fp8)
+    if isinstance(recipes, dict) and isinstance(fp8, dict):
+        _check_against_recipes(fp8, recipes)
     if not policy.casts_by_op and policy.compute_dtype != torch.float32:
         raise ValueError(
             f"train_step cannot thread delayed FP8 states (state.fp8) with a policy that casts params whole to "
             f"{policy.compute_dtype} (rules=None): it would cast the float32 scales too; use the op rules (the default)"
         )
+
+
+def _check_against_recipes(fp8: dict[str, Any], recipes: dict[str, DelayedScaling]) -> None:
+    extra = sorted(set(fp8) - set(recipes))
+    if extra:
+        raise ValueError(
+            f"state.fp8 holds states for {extra}, which loss_fn runs on no delayed recipe: make state.fp8 with "
+            f"fmp.fp8.init_states(model, recipes), the model and recipes given to fp8_modules"
+        )
+    for name, recipe in recipes.items():
+        state = fp8.get(name)
+        if not isinstance(state, DelayedScalingState):
+            continue  # fp8_modules names a missing state itself
+        settings = {
+            "history_len": (int(state.amax_history.shape[0]), recipe.history_len),
+            "amax_compute": (state.amax_compute, recipe.amax_compute),
+            "margin": (state.margin, recipe.margin),
+            "format": (state.format, recipe.format),
+        }
+        for setting, (held, given) in settings.items():
+            if held != given:
+                raise ValueError(
+                    f"state.fp8[{name!r}] was made with {setting}={held!r}, but loss_fn runs the layer on "
+                    f"{setting}={given!r}: make state.fp8 with fmp.fp8.init_states(model, recipes), the recipes "
+                    f"given to fp8_modules"
+                )
 
 
 def with_fp8_scales(loss_fn: Callable[..., Any], params: Any, fp8: Any) -> tuple[Callable[..., Any], Any]:

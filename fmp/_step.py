@@ -240,7 +240,7 @@ def train_step(
     params, opt_state, scaler, model_state = state.params, state.opt_state, state.scaler, state.model_state
     fp8 = has_fp8_states(state.fp8)
     check_grad_arguments(loss_fn, scaler, policy, has_aux)
-    check_fp8_step(loss_fn, fp8, policy)
+    check_fp8_step(loss_fn, state.fp8, policy)
     # With FP8 states, the step differentiates (params, scales): the scales' gradients are the amaxes.
     loss_fn, differentiated = with_fp8_scales(loss_fn, params, state.fp8) if fp8 else (loss_fn, params)
     if has_model_state(model_state):

@@ -179,3 +179,14 @@ def test_fp8_linear_names_an_operand_on_another_device() -> None:
     scales = torch.ones(3, device="meta")
     with pytest.raises(ValueError, match=r"x is on cpu but scales on meta, loss_scale on meta"):
         f8.fp8_linear(x, weight, recipe=f8.delayed(), scales=scales, loss_scale=scales[0])
+
+
+@pytest.mark.parametrize("recipe", [f8.tensorwise(), f8.rowwise(), f8.mxfp8(), f8.blockwise(), f8.delayed()])
+def test_no_tokens_give_an_empty_output_as_f_linear_does(recipe: Any) -> None:
+    x = torch.randn(0, 128, requires_grad=True)
+    weight = torch.randn(128, 128, requires_grad=True)
+    scales = {"scales": torch.ones(3)} if isinstance(recipe, f8.DelayedScaling) else {}
+    y = f8.fp8_linear(x, weight, torch.ones(128), recipe=recipe, **scales)
+    assert y.shape == (0, 128)
+    grad_x, grad_w = torch.autograd.grad(y.sum(), (x, weight))
+    assert grad_x.shape == (0, 128) and bool((grad_w == 0).all())

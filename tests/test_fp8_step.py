@@ -176,6 +176,57 @@ def test_state_and_loss_function_must_agree_on_fp8() -> None:
         fmp.TrainState.create(state.params, fmp.optim.sgd(0.1), fmp.NoOpLossScale(), fp8={"0": torch.ones(3)})
 
 
+def with_layer(state: fmp.TrainState, **changes: Any) -> dict[str, f8.DelayedScalingState]:
+    """`state.fp8` with layer "0"'s state changed."""
+    return {**state.fp8, "0": fmp._struct.replace(state.fp8["0"], **changes)}
+
+
+def test_a_corrupt_or_mismatched_fp8_state_is_refused_naming_the_layer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A NaN or 0 scale would skip every step from then on, as a skipped step keeps the state.
+    step, state, _ = setup(mlp(), fmp.DynamicLossScale.create())
+    layer = state.fp8["0"]
+    refused_by_create = {
+        "scale must be finite and > 0, got \\[nan": {"scale": torch.tensor([float("nan"), 1.0, 1.0])},
+        "scale must be finite and > 0, got \\[0.0": {"scale": torch.tensor([0.0, 1.0, 1.0])},
+        "amax_history must be finite and >= 0": {"amax_history": -torch.ones(4, 3)},
+        "scale requires grad": {"scale": layer.scale.clone().requires_grad_()},
+    }
+    for message, changes in refused_by_create.items():
+        with pytest.raises((TypeError, ValueError), match=r"state\.fp8\['0'\]\." + message):
+            fmp.TrainState.create(
+                state.params, fmp.optim.sgd(0.1), fmp.NoOpLossScale(), fp8=with_layer(state, **changes)
+            )
+    # Refused by the step, with no host sync: a shape, or settings other than the layer's recipe.
+    kept = torch.utils._pytree.tree_map(torch.clone, state)
+    refused_by_step = {
+        r"holds an amax_history of shape \(4, 4\)": with_layer(state, amax_history=torch.zeros(4, 4)),
+        r"was made with history_len=7, but loss_fn runs the layer on history_len=4": {
+            **state.fp8,
+            "0": f8.delayed(history_len=7).init(),
+        },
+        r"was made with format='e4m3', but loss_fn runs the layer on format='hybrid'": {
+            **state.fp8,
+            "0": f8.delayed(history_len=4, format="e4m3").init(),
+        },
+        r"holds states for \['3'\], which loss_fn runs on no delayed recipe": {**state.fp8, "3": layer},
+    }
+    for message, fp8 in refused_by_step.items():
+        with pytest.raises(ValueError, match=message):
+            step(state._replace(fp8=fp8), *batch())
+    assert_trees_bitwise_equal(state, kept)
+    # A checkpoint that holds a NaN scale (written by a save that did not check) does not load.
+    bad = state._replace(fp8=with_layer(state, scale=torch.tensor([float("nan"), 1.0, 1.0])))
+    with pytest.raises(ValueError, match=r"scale must be finite and > 0"):
+        fmp.serialization.save(bad, tmp_path / "bad.fmp")
+    with monkeypatch.context() as patch:
+        patch.setattr(fmp.serialization._file, "check_values", lambda state: None)
+        fmp.serialization.save(bad, tmp_path / "bad.fmp")
+    with pytest.raises(ValueError, match=r"state\.fp8\['0'\]\.scale must be finite and > 0"):
+        fmp.serialization.load(tmp_path / "bad.fmp", state)
+
+
 def test_with_accumulation_a_window_records_its_largest_amaxes_and_advances_once() -> None:
     step, state, _ = setup(mlp(), fmp.DynamicLossScale.create(), accumulation_steps=2)
     (x1, y1), (x2, y2) = batch(1), batch(2)

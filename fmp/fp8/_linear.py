@@ -354,6 +354,9 @@ def fp8_linear(
         # As an nn.Linear under autocast, and as torchao's Float8Linear: the input and the output
         # in the autocast dtype (the weight is quantized from its own dtype).
         x = x.to(torch.get_autocast_dtype(device))
+    if x.numel() == 0:  # no tokens: nothing to scale (an amax of nothing), an empty output as F.linear's
+        empty = torch.nn.functional.linear(x, weight.to(x.dtype))
+        return empty if bias is None else empty + bias.to(empty.dtype)
     flat = x.reshape(-1, x.shape[-1])
     if torch.compiler.is_compiling():
         # Views, so that Dynamo calls the Function's backward even where every argument is a

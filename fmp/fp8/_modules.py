@@ -223,5 +223,6 @@ def fp8_modules(fn: Callable[..., R], model: nn.Module, recipes: Mapping[Any, Re
     def delayed_fp8_modules_fn(params: Any, scales: Fp8Scales, *args: Any, **kwargs: Any) -> R:
         return run(_check_scales(scales, plan), params, *args, **kwargs)
 
-    setattr(delayed_fp8_modules_fn, TAKES_FP8_SCALES, True)
+    delayed = {name: recipe for name, _, recipe in plan if isinstance(recipe, DelayedScaling)}
+    setattr(delayed_fp8_modules_fn, TAKES_FP8_SCALES, delayed)
     return delayed_fp8_modules_fn

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 
 from fmp._accumulate import GradientAccumulator
+from fmp._delayed_scaling import DelayedScalingState
+from fmp._delayed_scaling import check_fp8_states
 from fmp._loss_scale import LossScale
 from fmp._scale_checks import check_scaler_values
 from fmp._state import StepCounts
@@ -61,6 +63,9 @@ def check_values(state: Any, where: str = "state") -> None:
     """
     if isinstance(state, LossScale):
         check_scaler_values(state, where)
+        return
+    if isinstance(state, DelayedScalingState):
+        check_fp8_states(state, where)  # its scales and amax history, by value
         return
     for field, counter, high in _counters(state):
         _check_counter(counter, where + field, high)
