@@ -419,3 +419,18 @@ def test_a_compiled_forward_that_scales_graph_breaks_and_its_backward_counts() -
         buffer.zero_()
         twin_buffer.zero_()
     torch._dynamo.reset()
+
+
+def test_unscaling_by_another_loss_scale_than_scale_multiplied_by_is_refused() -> None:
+    model, grads, a = setup()
+    b = fmp.StaticLossScale.create(SCALE / 2)
+    grads.scale(loss_of(model), a).backward()
+    with pytest.raises(RuntimeError, match="unscale_ got another loss-scale state than scale"):
+        grads.unscale_(b)
+    grads.scale(loss_of(model, seed=1), b).backward()  # two scales in one accumulation
+    with pytest.raises(RuntimeError, match=r"or scale\(\) got two"):
+        grads.unscale_(b)
+    grads.zero_()
+    grads.scale(loss_of(model), b).backward()
+    finite, _ = grads.unscale_(b)
+    assert bool(finite)

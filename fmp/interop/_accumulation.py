@@ -66,6 +66,8 @@ class Accumulation:
         self.accumulated = False  # a backward accumulated since the last unscale or zero_()
         self.unscaled = False  # the gradients hold unscaled values: unscaled, and not zeroed since
         self.onto_unscaled = False  # a backward accumulated into unscaled values: they mix two scales
+        self.scale: torch.Tensor | None = None  # the loss scale `scale` multiplied by since the last restart
+        self.scales_differ = False  # `scale` was given two loss-scale states since the last restart
         flag = weakref.ref(self)
 
         def marker(index: int) -> Callable[[torch.Tensor], None]:
@@ -161,6 +163,8 @@ class Accumulation:
     def restart(self) -> None:
         """Forgets the accumulations so far (after `zero_()` or an unscale)."""
         self.unscaled_param = None
+        self.scale = None
+        self.scales_differ = False
 
 
 def _remove_hooks(hooks: list[Any]) -> None:

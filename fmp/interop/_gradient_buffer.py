@@ -327,14 +327,14 @@ class GradientBuffer:
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss must be a tensor, got {type(loss).__name__}")
         check_scaler(scaler)
-        scaled: torch.Tensor = self._checked_and_marked(loss, scaler.scale(loss))
+        scaled: torch.Tensor = self._checked_and_marked(loss, scaler.scale(loss), scaler)
         return scaled
 
     # Run eagerly, also inside a compiled function: Dynamo cannot read a grad_fn, hook an autograd
     # node nor set an entry of a tensor's __dict__ (it raised on that), so a compiled forward
     # graph-breaks here, once, and the tensor it returns keeps its `.backward`.
     @torch.compiler.disable  # type: ignore[untyped-decorator]
-    def _checked_and_marked(self, loss: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:
+    def _checked_and_marked(self, loss: torch.Tensor, scaled: torch.Tensor, scaler: LossScale) -> torch.Tensor:
         """`scaled`, `scaler.scale(loss)`, once checked and given its `.backward` (see `scale`)."""
         if scaled.grad_fn is None:
             raise ValueError(
@@ -348,6 +348,9 @@ class GradientBuffer:
             )
         if scaled is not loss:  # nothing to mark where nothing was scaled (NoOpLossScale)
             self._accumulation.watch(scaled)
+            accumulation, scale = self._accumulation, getattr(scaler, "loss_scale", None)  # by identity
+            accumulation.scales_differ |= accumulation.scale is not None and scale is not accumulation.scale
+            accumulation.scale = scale
         return scaled
 
     def zero_(self) -> None:
@@ -384,8 +387,10 @@ class GradientBuffer:
                 `unscale_and_clip_` (they would be unscaled twice; an in-place edit such as
                 `clip_grad_norm_` renews nothing, and gradients written by hand need a `zero_()`
                 first); or if a backward accumulated into unscaled gradients with no `zero_()`
-                between (they mix two scales); or, unless `scaler` is an `fmp.NoOpLossScale`, if a backward that did not
-                start with `.backward()` on a loss `scale` returned (`loss.backward()`,
+                between (they mix two scales); or if `scaler` is not the state `scale` multiplied
+                the losses by since then (by identity), or `scale` got two; or, unless `scaler` is
+                an `fmp.NoOpLossScale`, if a backward that did not start with `.backward()` on a
+                loss `scale` returned (`loss.backward()`,
                 `scaler.scale(loss).backward()`, which the buffer cannot see, or
                 `(scaled + loss).backward()`) accumulated into them since the last `zero_()` or
                 unscale: their values are not scaled.
@@ -441,6 +446,15 @@ class GradientBuffer:
                 "zero_() cleared them (an in-place edit such as clip_grad_norm_ or optimizer.zero_grad() counts "
                 "as neither), so they would be unscaled twice; zero_() and run a backward (or write new "
                 "gradients) first"
+            )
+        scaled_by = self._accumulation.scale
+        if self._accumulation.scales_differ or (
+            scaled_by is not None and getattr(scaler, "loss_scale", None) is not scaled_by
+        ):
+            raise RuntimeError(
+                "unscale_ got another loss-scale state than scale() multiplied the losses by since the last zero_() "
+                "or unscale, or scale() got two: the gradients would be divided by another scale; pass unscale_ "
+                "the scaler you passed scale(), and scale() the one unscale_ returned last"
             )
         index = self._accumulation.unscaled_param
         # With no scaling (NoOpLossScale) a plain backward's gradients are the right ones.
