@@ -124,8 +124,19 @@ def test_nothing_is_updated_and_the_hooks_are_removed() -> None:
     assert hooks == (len(nn.modules.module._global_forward_pre_hooks), len(nn.modules.module._global_forward_hooks))
 
 
+@pytest.mark.compiled
+def test_called_inside_a_compiled_function_it_runs_eagerly() -> None:
+    model, params, x, y = mlp()
+    x = x.clone()
+    x[0, 0] = float("inf")
+    compiled = torch.compile(lambda x: fmp.debug.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16))
+    assert str(compiled(x)) == str(fmp.debug.locate_nonfinite(loss_of(model), params, x, y, policy=FLOAT16))
+
+
 def test_bad_calls_raise_clear_errors() -> None:
     model, params, x, y = mlp()
+    with pytest.raises(TypeError, match="locate_nonfinite's loss_fn must be a function, got int"):
+        fmp.debug.locate_nonfinite(5, params, x, y, policy=FLOAT16)  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="call it eagerly"):
         torch.func.grad(lambda p: fmp.debug.locate_nonfinite(loss_of(model), p, x, y, policy=FLOAT16).loss)(params)
     with pytest.raises(TypeError, match=r"policy must be an fmp\.Policy"):

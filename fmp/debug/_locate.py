@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 
 from fmp._backward import check_reads_no_module_parameters
 from fmp._checks import check_bool
+from fmp._checks import check_callable
 from fmp._grad import with_policy
 from fmp._grad_checks import check_params
 from fmp._loss_scale import LossScale
@@ -196,6 +197,9 @@ def _nonfinite_paths(tree: Any, name: str) -> tuple[str, ...]:
     return tuple(f"{name}{pytree.keystr(p)}" for p, x in pairs if kinds(floating([x])))
 
 
+# Never traced: called inside a compiled function, it breaks the graph and runs eagerly, the loss
+# function it calls included (a graph break alone would leave that one to Dynamo, under the watch).
+@torch.compiler.disable  # type: ignore[untyped-decorator]
 def locate_nonfinite(
     loss_fn: Callable[..., Any],
     params: Any,
@@ -233,8 +237,11 @@ def locate_nonfinite(
     Returns:
         A `NonFiniteReport`; print it for an explanation.
 
+    Called inside a `torch.compile`d function it runs eagerly (`torch.compiler.disable`): the
+    graph breaks there, which `fullgraph=True` refuses.
+
     Raises:
-        RuntimeError: Under `torch.compile` or a `torch.func` transform.
+        RuntimeError: Under a `torch.func` transform.
         TypeError, ValueError: As the step raises them: if `policy` or `scaler` is of the wrong
             type (or a tuple, or an ensemble's), a leaf of `params` is not a floating tensor in
             the param dtype that autograd does not track, `loss_fn` does not return a 0-dim
@@ -244,6 +251,7 @@ def locate_nonfinite(
         raise RuntimeError(
             "fmp.debug.locate_nonfinite is a debugging tool that reads every op's output: call it eagerly"
         )
+    check_callable("locate_nonfinite's loss_fn", loss_fn)
     if not isinstance(policy, Policy):
         raise TypeError(f"policy must be an fmp.Policy (e.g. fmp.get_policy('c=bf16')), got {type(policy).__name__}")
     if isinstance(scaler, tuple):
@@ -256,8 +264,10 @@ def locate_nonfinite(
     check_bool("has_aux", has_aux)
     check_params(params, policy)
     tracked = pytree.tree_map(lambda x: x.detach().requires_grad_(), params)
-    # Copies, so running statistics passed in do not move; the generators are restored after.
+    # Copies, so running statistics passed in do not move; the generators are restored after,
+    # torch's own and those passed in `args` alike.
     copied = pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, args)
+    generators = [(g, g.get_state()) for g in pytree.tree_leaves(args) if isinstance(g, torch.Generator)]
     tensors = [x for x in pytree.tree_leaves((params, args)) if isinstance(x, torch.Tensor)]
     cuda = sorted({x.device.index or 0 for x in tensors if x.device.type == "cuda"})
     modules = ModuleStack()
@@ -282,6 +292,8 @@ def locate_nonfinite(
         finally:
             # After the backward pass, which may read the buffers as the forward saved them (eval-mode norms).
             modules.restore_buffers()
+            for generator, generator_state in generators:
+                generator.set_state(generator_state)
     grads = [torch.zeros_like(x) if g is None else g for g, x in zip(scaled_grads, leaves, strict=True)]
     unscaled = scaler.unscale(pytree.tree_unflatten(grads, spec))
     return NonFiniteReport(
