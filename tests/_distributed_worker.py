@@ -242,15 +242,25 @@ def scenario_main(rank: int, world: int) -> dict[str, Any]:
     # Misuse is named: another layout on one rank, replicas that differ (in value, or only in order),
     # a group without this rank.
     reordered = {"w": torch.tensor([1.0, 2.0, 3.0]) if rank == 0 else torch.tensor([3.0, 2.0, 1.0])}
-    for name, tree in (
-        ("layout", {"w": torch.zeros(2 + rank)}),
-        ("values", {"w": torch.full((2,), float(rank))}),
-        ("order", reordered),
+    # Raw bits +1, -2, +1 on rank 1: the plain and the position-weighted sums both stay.
+    ones = torch.ones(3)
+    bits = torch.tensor([1, -2, 1], dtype=torch.int32)
+    cancelling = ones if rank == 0 else (ones.view(torch.int32) + bits).view(torch.float32)
+    accumulating = make_state(accumulate=2 + rank)  # a static field that differs, which no leaf shows
+    for name, tree, check in (
+        ("layout", {"w": torch.zeros(2 + rank)}, fmp.distributed.broadcast_tree),
+        ("values", {"w": torch.full((2,), float(rank))}, fmp.distributed.check_replicas),
+        ("order", reordered, fmp.distributed.check_replicas),
+        ("cancelling", {"w": cancelling}, fmp.distributed.check_replicas),
+        ("static", accumulating, fmp.distributed.broadcast_tree),
     ):
         try:
-            (fmp.distributed.broadcast_tree if name == "layout" else fmp.distributed.check_replicas)(tree)
+            check(tree)
         except ValueError as error:
             results[f"{name}_error"] = str(error)
+    # One rank's tensor column-major: the broadcast copies storage, so it must not copy strides.
+    square = torch.arange(12.0).reshape(3, 4)
+    results["strided"] = fmp.distributed.broadcast_tree({"w": square if rank == 0 else square.t().contiguous().t()})
     solo = dist.new_group([0])
     if rank == 1:
         try:

@@ -172,6 +172,10 @@ def test_misuse_is_named(main: list[dict[str, Any]]) -> None:
     )
     assert rank1["values_error"] == "check_replicas: tree['w'] differs between rank 0 and ranks [1]"
     assert rank1["order_error"] == "check_replicas: tree['w'] differs between rank 0 and ranks [1]"  # same sum
+    assert rank1["cancelling_error"] == "check_replicas: tree['w'] differs between rank 0 and ranks [1]"
+    assert "rank 1 has .accumulator.steps: 3 where rank 0 has .accumulator.steps: 2" in rank1["static_error"]
+    square = torch.arange(12.0).reshape(3, 4)
+    assert all(torch.equal(rank["strided"]["w"], square) for rank in main)
     assert "global rank 1) is not a member of the group" in rank1["group_error"]
 
 

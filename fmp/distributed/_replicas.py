@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from fmp._struct import dataclass_fields
 from fmp.distributed._reduce import _collective
 from fmp.distributed._reduce import resolve_group
 
@@ -25,12 +26,35 @@ _INT_OF_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 def _layout(tree: Any, prefix: str = "") -> list[tuple[str, str]]:
-    """`(path, kind)` per leaf: its path after `prefix`, and its dtype and shape (a tensor) or its repr."""
+    """`(path, kind)` per leaf (its dtype and shape, or its repr) and per static field of fmp's states (its value).
+
+    A static field (a scaler's growth interval, an accumulator's steps) lives in the treespec, not
+    in a leaf: ranks that differ there would step apart without a collective noticing.
+    """
     lines = []
     for path, leaf in pytree.tree_flatten_with_path(tree)[0]:
         kind = f"{leaf.dtype}{list(leaf.shape)}" if isinstance(leaf, torch.Tensor) else repr(leaf)
         lines.append((prefix + pytree.keystr(path), kind))
+    lines.extend(_static_fields(tree, prefix))
     return lines
+
+
+def _static_fields(node: Any, path: str) -> list[tuple[str, str]]:
+    """`(path, repr)` of each static field of the `pytree_dataclass` states in `node`, depth first."""
+    if isinstance(node, dict):
+        return [line for key, child in node.items() for line in _static_fields(child, f"{path}[{key!r}]")]
+    if isinstance(node, tuple | list):
+        names = getattr(type(node), "_fields", None)
+        paths = [f"{path}.{name}" for name in names] if names else [f"{path}[{i}]" for i in range(len(node))]
+        return [
+            line for child, child_path in zip(node, paths, strict=True) for line in _static_fields(child, child_path)
+        ]
+    fields = dataclass_fields(type(node))
+    if fields is None:
+        return []
+    leaf_names, static_names = fields
+    lines = [(f"{path}.{name}", repr(getattr(node, name))) for name in static_names]
+    return lines + [line for name in leaf_names for line in _static_fields(getattr(node, name), f"{path}.{name}")]
 
 
 def _first_difference(mine: list[tuple[str, str]], theirs: list[tuple[str, str]], me: int, other: int) -> str:
@@ -88,7 +112,9 @@ def broadcast_tree(tree: Tree, *, src: int = 0, group: dist.ProcessGroup | None 
 
     Call it on every rank before training (on the params, or a whole `TrainState`) so all replicas
     start bit-identical; the data-parallel step keeps them so. It first checks that every rank
-    holds a tree of the same paths, shapes and dtypes. The input is not modified.
+    holds a tree of the same paths, shapes and dtypes, and states of the same settings (a
+    scaler's growth interval, an accumulator's steps). The input is not modified; the copies are
+    contiguous whatever the input's strides.
 
     Note:
         Syncs: the layout check goes through the host, and the broadcasts are waited for.
@@ -115,24 +141,35 @@ def broadcast_tree(tree: Tree, *, src: int = 0, group: dist.ProcessGroup | None 
     def copy(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):
             return leaf
-        out = leaf.detach().clone()
+        # Contiguous on every rank: the broadcast copies raw storage, so strides must agree too.
+        out = leaf.detach().clone(memory_format=torch.contiguous_format)
         _collective(lambda: dist.broadcast(out, global_src, group=group), "broadcast", world)
         return out
 
     return cast(Tree, pytree.tree_map(copy, tree))
 
 
+# A 64-bit odd constant (2**64 over the golden ratio): position times it scatters the weights.
+_MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
+
+
 def _fingerprints(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Two int64 sums per tensor over its raw bits (plain and position-weighted); wrap-around is deterministic."""
+    """Three int64 sums per tensor over its raw bits; wrap-around is deterministic.
+
+    The plain sum, one weighted by position, and one weighted by a scrambled position: changes
+    that cancel in the first two (+1, -2, +1 at neighbouring elements) do not in the third.
+    """
     rows = []
     for tensor in tensors:
         flat = tensor.detach().contiguous().reshape(-1)
         flat = torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat
         raw = flat.view(_INT_OF_SIZE[flat.element_size()]).to(torch.int64)
-        weights = torch.arange(1, raw.numel() + 1, dtype=torch.int64, device=raw.device)
-        rows.append(torch.stack([raw.sum(), (raw * weights).sum()]))
+        positions = torch.arange(1, raw.numel() + 1, dtype=torch.int64, device=raw.device)
+        scrambled = positions * _MIX
+        scrambled = scrambled ^ (scrambled >> 29)
+        rows.append(torch.stack([raw.sum(), (raw * positions).sum(), (raw * scrambled).sum()]))
     if not rows:
-        return torch.zeros((0, 2), dtype=torch.int64)
+        return torch.zeros((0, 3), dtype=torch.int64)
     return torch.stack([row.to(rows[0].device) for row in rows])
 
 
