@@ -246,14 +246,27 @@ def check_fp8_states(fp8: Any, where: str = "state.fp8") -> None:
             )
 
 
-def _sound_shapes(state: Any) -> bool:
+def _shape_problem(state: Any, path: str) -> TypeError | ValueError | None:
+    """What is wrong with a node of `TrainState.fp8` that can be seen without reading a value, or None."""
     if not isinstance(state, DelayedScalingState):
-        return False
+        return TypeError(
+            f"TrainState.fp8 holds DelayedScalingStates (fmp.fp8.init_states(model, recipes)), got a "
+            f"{type(state).__name__} at {path}"
+        )
+    for name in ("amax_history", "scale"):
+        tensor = getattr(state, name)
+        if not (isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32):
+            return TypeError(f"{path}.{name} must be a float32 tensor, got {tensor!r}")
+        if tensor.requires_grad:
+            return TypeError(f"{path}.{name} requires grad: a state's tensors are values; pass it .detach()ed")
     history, scale = state.amax_history, state.scale
-    tensors = (history, scale)
-    if not all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and not t.requires_grad for t in tensors):
-        return False
-    return history.dim() == 2 and history.shape[0] >= 1 and history.shape[1] == len(ROLES) and scale.shape == (3,)
+    if history.dim() != 2 or history.shape[0] < 1 or history.shape[1] != len(ROLES) or scale.shape != (3,):
+        return ValueError(
+            f"{path} holds an amax_history of shape {tuple(history.shape)} and a scale of shape "
+            f"{tuple(scale.shape)}, where (history_len, 3) and (3,) belong: run a stacked state "
+            f"(fmp.stack_trees) under torch.func.vmap, or make it with fmp.fp8.init_states(model, recipes)"
+        )
+    return None
 
 
 def check_fp8_state_shapes(fp8: Any, where: str = "state.fp8") -> None:
@@ -261,24 +274,9 @@ def check_fp8_state_shapes(fp8: Any, where: str = "state.fp8") -> None:
 
     The states are looked at without their paths; the paths are spelled out only for the message.
     """
-    if all(map(_sound_shapes, pytree.tree_leaves(fp8, is_leaf=is_delayed_state))):
+    if all(_shape_problem(state, "") is None for state in pytree.tree_leaves(fp8, is_leaf=is_delayed_state)):
         return
     for path, state in _states(fp8, where):
-        if not isinstance(state, DelayedScalingState):
-            raise TypeError(
-                f"TrainState.fp8 holds DelayedScalingStates (fmp.fp8.init_states(model, recipes)), got a "
-                f"{type(state).__name__} at {path}"
-            )
-        for name in ("amax_history", "scale"):
-            tensor = getattr(state, name)
-            if not (isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32):
-                raise TypeError(f"{path}.{name} must be a float32 tensor, got {tensor!r}")
-            if tensor.requires_grad:
-                raise TypeError(f"{path}.{name} requires grad: a state's tensors are values; pass it .detach()ed")
-        history, scale = state.amax_history, state.scale
-        if history.dim() != 2 or history.shape[0] < 1 or history.shape[1] != len(ROLES) or scale.shape != (3,):
-            raise ValueError(
-                f"{path} holds an amax_history of shape {tuple(history.shape)} and a scale of shape "
-                f"{tuple(scale.shape)}, where (history_len, 3) and (3,) belong: run a stacked state "
-                f"(fmp.stack_trees) under torch.func.vmap, or make it with fmp.fp8.init_states(model, recipes)"
-            )
+        problem = _shape_problem(state, path)
+        if problem is not None:
+            raise problem

@@ -158,8 +158,9 @@ def warn_unless_depends_on_params(loss: torch.Tensor, which: str, params: Any, a
     read without a sync. A warning, not an error: a loss may be constant on purpose (a term not yet
     switched on, an empty batch), though more often it was detached by mistake. Compiled, it warns
     once, while the step is traced (where warnings are errors, Dynamo raises its own
-    InternalTorchDynamoError carrying the UserWarning). Eager, the module-parameter check runs first and raises where
-    it applies (a loss that reads a module's own parameters, which compiled steps cannot see).
+    InternalTorchDynamoError carrying the UserWarning). Eager, the module-parameter check runs
+    first and raises where it applies (a loss that reads a module's own parameters, which compiled
+    steps cannot see).
     """
     if loss.requires_grad or not pytree.tree_leaves(params):
         return

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from fmp._struct import dataclass_fields
+from fmp._tree_difference import tree_children
 from fmp.distributed._reduce import _collective
 from fmp.distributed._reduce import resolve_group
 
@@ -41,20 +42,11 @@ def _layout(tree: Any, prefix: str = "") -> list[tuple[str, str]]:
 
 def _static_fields(node: Any, path: str) -> list[tuple[str, str]]:
     """`(path, repr)` of each static field of the `pytree_dataclass` states in `node`, depth first."""
-    if isinstance(node, dict):
-        return [line for key, child in node.items() for line in _static_fields(child, f"{path}[{key!r}]")]
-    if isinstance(node, tuple | list):
-        names = getattr(type(node), "_fields", None)
-        paths = [f"{path}.{name}" for name in names] if names else [f"{path}[{i}]" for i in range(len(node))]
-        return [
-            line for child, child_path in zip(node, paths, strict=True) for line in _static_fields(child, child_path)
-        ]
     fields = dataclass_fields(type(node))
-    if fields is None:
-        return []
-    leaf_names, static_names = fields
-    lines = [(f"{path}.{name}", repr(getattr(node, name))) for name in static_names]
-    return lines + [line for name in leaf_names for line in _static_fields(getattr(node, name), f"{path}.{name}")]
+    lines = [] if fields is None else [(f"{path}.{name}", repr(getattr(node, name))) for name in fields[1]]
+    for child_path, child in tree_children(node, path) or []:
+        lines.extend(_static_fields(child, child_path))
+    return lines
 
 
 def _first_difference(mine: list[tuple[str, str]], theirs: list[tuple[str, str]], me: int, other: int) -> str:

@@ -355,13 +355,13 @@ def fp8_linear(
         # in the autocast dtype (the weight is quantized from its own dtype).
         x = x.to(torch.get_autocast_dtype(device))
     if x.numel() == 0:  # no tokens: nothing to scale (an amax of nothing), an empty output as F.linear's
-        empty = torch.nn.functional.linear(x, weight.to(x.dtype))
-        return empty if bias is None else empty + bias.to(empty.dtype)
-    flat = x.reshape(-1, x.shape[-1])
-    if torch.compiler.is_compiling():
-        # Views, so that Dynamo calls the Function's backward even where every argument is a
-        # torch.func.grad input as it is (see fmp._backward._viewing_params).
-        weight = weight.view_as(weight)
-        scales = None if scales is None else scales.view_as(scales)
-    out = _apply_without_autocast(flat, weight, scales, loss_scale, recipe).reshape(*x.shape[:-1], weight.shape[0])
+        out = torch.nn.functional.linear(x, weight.to(x.dtype))
+    else:
+        if torch.compiler.is_compiling():
+            # Views, so that Dynamo calls the Function's backward even where every argument is a
+            # torch.func.grad input as it is (see fmp._backward._viewing_params).
+            weight = weight.view_as(weight)
+            scales = None if scales is None else scales.view_as(scales)
+        flat = x.reshape(-1, x.shape[-1])
+        out = _apply_without_autocast(flat, weight, scales, loss_scale, recipe).reshape(*x.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias.to(out.dtype)

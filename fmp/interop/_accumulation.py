@@ -66,8 +66,8 @@ class Accumulation:
         self.accumulated = False  # a backward accumulated since the last unscale or zero_()
         self.unscaled = False  # the gradients hold unscaled values: unscaled, and not zeroed since
         self.onto_unscaled = False  # a backward accumulated into unscaled values: they mix two scales
-        self.scale: torch.Tensor | None = None  # the loss scale `scale` multiplied by since the last restart
-        self.scales_differ = False  # `scale` was given two loss-scale states since the last restart
+        self.scale: torch.Tensor | None = None  # the loss scale `scale` multiplied by since zero_() or unscale
+        self.scales_differ = False  # `scale` was given two loss-scale states since then
         flag = weakref.ref(self)
 
         def marker(index: int) -> Callable[[torch.Tensor], None]:
@@ -160,8 +160,24 @@ class Accumulation:
         # An attribute of this tensor only: a backward started at any other tensor is not marked.
         scaled.__dict__["backward"] = backward
 
-    def restart(self) -> None:
-        """Forgets the accumulations so far (after `zero_()` or an unscale)."""
+    def note_scale(self, scale: torch.Tensor | None) -> None:
+        """Records the loss scale `GradientBuffer.scale` multiplied a loss by (a state's tensor, by identity)."""
+        self.scales_differ |= self.scale is not None and scale is not self.scale
+        self.scale = scale
+
+    def zeroed(self) -> None:
+        """After `zero_()`: zeros, which any unscale may take, and nothing accumulated into them yet."""
+        self.since_unscale = True  # gradients written by hand after this unscale once
+        self.accumulated = self.unscaled = self.onto_unscaled = False
+        self._forget()
+
+    def unscaled_now(self) -> None:
+        """After an unscale: the gradients hold unscaled values, which only `zero_()` renews."""
+        self.since_unscale = self.accumulated = False
+        self.unscaled = True
+        self._forget()
+
+    def _forget(self) -> None:
         self.unscaled_param = None
         self.scale = None
         self.scales_differ = False

@@ -348,19 +348,14 @@ class GradientBuffer:
             )
         if scaled is not loss:  # nothing to mark where nothing was scaled (NoOpLossScale)
             self._accumulation.watch(scaled)
-            accumulation, scale = self._accumulation, getattr(scaler, "loss_scale", None)  # by identity
-            accumulation.scales_differ |= accumulation.scale is not None and scale is not accumulation.scale
-            accumulation.scale = scale
+            self._accumulation.note_scale(getattr(scaler, "loss_scale", None))
         return scaled
 
     def zero_(self) -> None:
         """Zeros every gradient, one fill per buffer, and re-attaches any `.grad` set to None or replaced."""
         for buffer in self._buffers:
             buffer.zero_()
-        accumulation = self._accumulation
-        accumulation.since_unscale = True  # gradients written by hand after this unscale once
-        accumulation.accumulated = accumulation.unscaled = accumulation.onto_unscaled = False
-        accumulation.restart()
+        self._accumulation.zeroed()
         for param, view in zip(self._params, self._views, strict=True):
             if param.grad is not view:
                 param.grad = view
@@ -479,10 +474,7 @@ class GradientBuffer:
         for buffer, values in zip(buffers, results, strict=True):
             if values.data_ptr() != buffer.data_ptr():
                 buffer.copy_(values)
-        accumulation = self._accumulation
-        accumulation.since_unscale = accumulation.accumulated = False
-        accumulation.unscaled = True
-        accumulation.restart()
+        self._accumulation.unscaled_now()
 
     def _check_owns(self, optimizer: torch.optim.Optimizer) -> None:
         """Raises if `optimizer` steps a parameter whose gradient no GradientBuffer holds (no `unscale_` saw it).
