@@ -27,9 +27,12 @@ rounds show what a step costs on its own):
                           skips inside itself; its ratio is to torch.amp eager, fused on a CPU
   fmp eager, cuda rules   CPU only: the default rules ("cuda"), applied op by op by fmp.autocast's
                           Python mode
-  fmp compiled            fmp.train_step under torch.compile(fullgraph=True), the device's rules
+  fmp compiled            fmp.train_step compiled whole by fmp.compile, the device's rules
   fmp donated             the same with donate=True (the update is written into the old buffers)
-  fmp donated, tuned      the same compiled with options={"realize_reads_threshold": 1}: Inductor
+  fmp donated, torch.compile
+                          the same compiled by torch.compile(fullgraph=True): the same graph, with
+                          Dynamo's guards on fmp's own code, which fmp.compile drops
+  fmp donated, tuned      fmp donated compiled with options={"realize_reads_threshold": 1}: Inductor
                           keeps every intermediate read more than once, as max pooling's argmax,
                           which a whole-step graph would otherwise recompute in the backward pass
 
@@ -162,7 +165,8 @@ def fmp_contender(
     fused: bool = False,
     options: dict[str, Any] | None = None,
 ) -> Contender:
-    """fmp.train_step: `mode` None (eager), "compiled" or "donated" (donate=True), compiled with Inductor `options`."""
+    """fmp.train_step: `mode` None (eager), "compiled" or "donated" (donate=True) by fmp.compile, or "torch.compile"
+    (donated, by torch.compile(fullgraph=True)), with Inductor `options`."""
     device = next(model.parameters()).device
     params, buffers = fmp.nn.split(model)
 
@@ -175,10 +179,12 @@ def fmp_contender(
     scaler = fmp.DynamicLossScale.create(device=device)
     state = fmp.TrainState.create(params, optimizer, scaler, model_state=buffers)
     train_step: Callable[..., tuple[fmp.TrainState, fmp.StepInfo]] = functools.partial(
-        fmp.train_step, loss_fn, policy=policy, optimizer=optimizer, donate=mode == "donated"
+        fmp.train_step, loss_fn, policy=policy, optimizer=optimizer, donate=mode in ("donated", "torch.compile")
     )
-    if mode is not None:
+    if mode == "torch.compile":
         train_step = torch.compile(train_step, fullgraph=True, options=options)
+    elif mode is not None:
+        train_step = fmp.compile(train_step, options=options)
 
     def step(batch: Batch) -> torch.Tensor:
         nonlocal state
@@ -210,6 +216,7 @@ def build_contenders(model: nn.Module, device: torch.device, dtype: torch.dtype)
         contenders["fmp eager, cuda rules"] = fmp_contender(fresh(), dtype, "cuda", mode=None)
     contenders["fmp compiled"] = fmp_contender(fresh(), dtype, rules, mode="compiled")
     contenders["fmp donated"] = fmp_contender(fresh(), dtype, rules, mode="donated")
+    contenders["fmp donated, torch.compile"] = fmp_contender(fresh(), dtype, rules, mode="torch.compile")
     contenders["fmp donated, tuned"] = fmp_contender(fresh(), dtype, rules, mode="donated", options=TUNED)
     return contenders
 

@@ -139,7 +139,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=25, help="steps between evaluations")
     parser.add_argument("--eval-size", type=int, default=512, help="held-out images")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
-    parser.add_argument("--compile", action="store_true", help="run the step under torch.compile(fullgraph=True)")
+    parser.add_argument("--compile", action="store_true", help="run the step compiled whole (fmp.compile)")
     parser.add_argument("--log-every", type=int, default=10, help="steps between progress-bar updates (a sync)")
     parser.add_argument("--plot", type=Path, help="save a plot of loss, accuracy and loss scale to this PNG")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (on a busy machine: the free cores)")
@@ -187,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> Result:
         fmp.train_step, loss_fn, policy=policy, optimizer=optimizer
     )
     if args.compile:
-        step = torch.compile(step, fullgraph=True)
+        step = fmp.compile(step)
 
     count = sum(p.numel() for p in params.values())
     print(

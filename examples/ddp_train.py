@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--growth-interval", type=int, default=5, help="finite steps between scale growths")
     parser.add_argument("--log-every", type=int, default=5, help="steps between rank 0's loss lines")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a stuck collective fails")
-    parser.add_argument("--compile", action="store_true", help="run the step under torch.compile(fullgraph=True)")
+    parser.add_argument("--compile", action="store_true", help="run the step compiled whole (fmp.compile)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, one GPU per rank")
     args = parser.parse_args()
 
@@ -113,7 +113,7 @@ def main() -> None:
     state = fmp.TrainState.create(params, optimizer, scaler)
     step = functools.partial(fmp.distributed.train_step, loss_fn, policy=policy, optimizer=optimizer)
     if args.compile:
-        step = torch.compile(step, fullgraph=True)
+        step = fmp.compile(step)
     if rank == 0:
         backend, reduce_dtype = dist.get_backend(), policy.effective_reduce_dtype
         print(f"world {world} ({backend}), policy {policy}, reduce dtype {reduce_dtype}", flush=True)

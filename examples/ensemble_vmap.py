@@ -105,7 +105,7 @@ def main() -> None:
         functools.partial(fmp.train_step, loss_fn, policy=policy, optimizer=optimizer)
     )
     if args.compile:
-        step = torch.compile(step, fullgraph=True)
+        step = fmp.compile(step)
 
     # A synthetic regression task; every member draws its own batches (as in bagging).
     gen = torch.Generator().manual_seed(args.seed + 1)

@@ -175,7 +175,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--compute", default="half", help="compute dtype; half: bfloat16 on CPU, float16 on CUDA")
     parser.add_argument("--growth-interval", type=int, default=50, help="finite steps before the scale doubles")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
-    parser.add_argument("--compile", action="store_true", help="run the step under torch.compile(fullgraph=True)")
+    parser.add_argument("--compile", action="store_true", help="run the step compiled whole (fmp.compile)")
     parser.add_argument("--log-every", type=int, default=10, help="steps between progress-bar updates (a sync)")
     parser.add_argument("--plot", type=Path, help="save a plot of loss and loss scale to this PNG")
     parser.add_argument("--save", type=Path, help="save the fine-tuned model and tokenizer to this directory")
@@ -236,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> Result:
         fmp.train_step, loss_fn, policy=policy, optimizer=optimizer
     )
     if args.compile:
-        step = torch.compile(step, fullgraph=True)
+        step = fmp.compile(step)
 
     count = sum(p.numel() for p in params.values())
     print(

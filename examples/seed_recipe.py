@@ -100,7 +100,7 @@ def train_fmp(
         fmp.train_step, loss_fn, policy=policy, optimizer=optimizer, donate=True
     )
     if compile_step:
-        step = torch.compile(step, fullgraph=True)
+        step = fmp.compile(step)
     params = {name: p.detach() for name, p in model.named_parameters()}
     state = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create(growth_interval=growth))
     history = []
@@ -126,7 +126,7 @@ def main() -> None:
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="run fmp's step under torch.compile(fullgraph=True), and GradientBuffer's unscale compiled",
+        help="run fmp's step compiled whole (fmp.compile), and GradientBuffer's unscale compiled",
     )
     args = parser.parse_args()
 

@@ -125,7 +125,7 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=Path("transformer_lm.png"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--compile", action="store_true", help="run the step under torch.compile(fullgraph=True)")
+    parser.add_argument("--compile", action="store_true", help="run the step compiled whole (fmp.compile)")
     parser.add_argument(
         "--bf16-params",
         action="store_true",
@@ -164,7 +164,7 @@ def main() -> None:
         fmp.train_step, loss_fn, policy=policy, optimizer=optimizer, donate=args.compile, grad_norm=True
     )
     if args.compile:
-        step = torch.compile(step, fullgraph=True)
+        step = fmp.compile(step)
 
     micro_batches = args.steps * args.accumulate
     data = synthetic_batches(args.vocab, args.length, args.batch, micro_batches, args.noise, args.seed)

@@ -1,11 +1,11 @@
 """fmp: functional mixed precision for PyTorch.
 
 The core lives here: precision policies, loss-scale states, the training step and its gradients,
-gradient accumulation, and tree utilities. Each other concern has a subpackage: `fmp.autocast`
-(op-level autocast), `fmp.optim` (pure optimizers), `fmp.nn` (modules as pure state),
-`fmp.remat` (activation checkpointing), `fmp.debug` (locating overflows), `fmp.interop`
-(`torch.nn`/`torch.optim` loops), `fmp.serialization` (saving states) and `fmp.distributed`
-(data parallel, imported on its own).
+gradient accumulation, compiling a step (`fmp.compile`), and tree utilities. Each other concern
+has a subpackage: `fmp.autocast` (op-level autocast), `fmp.optim` (pure optimizers), `fmp.nn`
+(modules as pure state), `fmp.remat` (activation checkpointing), `fmp.debug` (locating
+overflows), `fmp.interop` (`torch.nn`/`torch.optim` loops), `fmp.serialization` (saving states)
+and `fmp.distributed` (data parallel, imported on its own).
 """
 
 from fmp import autocast
@@ -17,6 +17,8 @@ from fmp import remat
 from fmp import serialization
 from fmp._accumulate import AccumulatedGradients
 from fmp._accumulate import GradientAccumulator
+from fmp._compile import compile
+from fmp._compile import trusted_guard
 from fmp._grad import Gradients
 from fmp._grad import mixed_precision_grad
 from fmp._grad import with_policy
@@ -67,6 +69,7 @@ __all__ = [
     "all_finite",
     "autocast",
     "cast_floating",
+    "compile",
     "debug",
     "get_policy",
     "half_dtype",
@@ -82,6 +85,7 @@ __all__ = [
     "stack_trees",
     "stochastic_round",
     "train_step",
+    "trusted_guard",
     "unscale_and_adjust",
     "unstack_tree",
     "with_policy",

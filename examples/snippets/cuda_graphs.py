@@ -20,10 +20,9 @@ state = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create())
 # --8<-- [start:graphs]
 for t in torch.utils._pytree.tree_leaves(state):
     torch._dynamo.mark_static_address(t)  # the state lives at fixed addresses: replays need no copies
-step = torch.compile(
+step = fmp.compile(
     functools.partial(fmp.train_step, loss_fn, policy=policy, optimizer=optimizer, donate=True),
     mode="reduce-overhead",
-    fullgraph=True,
 )
 losses = []
 for _ in range(3):

@@ -18,17 +18,13 @@ params = {k: v.detach() for k, v in model.named_parameters()}
 state = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create())
 
 # --8<-- [start:donate]
-step = torch.compile(
-    functools.partial(fmp.train_step, loss_fn, policy=policy, optimizer=optimizer, donate=True),
-    fullgraph=True,
-)
+step = fmp.compile(functools.partial(fmp.train_step, loss_fn, policy=policy, optimizer=optimizer, donate=True))
 state, info = step(state, torch.randn(32, 64), torch.randn(32, 1))  # the old `state` is handed over
 # --8<-- [end:donate]
 # --8<-- [start:planned]
 # On a CPU: Inductor allocates the step's temporaries as one block, which glibc keeps between steps.
-planned = torch.compile(
+planned = fmp.compile(
     functools.partial(fmp.train_step, loss_fn, policy=policy, optimizer=optimizer, donate=True),
-    fullgraph=True,
     options={"memory_planning": True},
 )
 state, info = planned(state, torch.randn(32, 64), torch.randn(32, 1))

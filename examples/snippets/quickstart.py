@@ -18,7 +18,7 @@ optimizer = fmp.optim.adamw(1e-3)
 params = {k: v.detach() for k, v in model.named_parameters()}
 state = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create())
 
-step = torch.compile(functools.partial(fmp.train_step, loss_fn, policy=policy, optimizer=optimizer), fullgraph=True)
+step = fmp.compile(functools.partial(fmp.train_step, loss_fn, policy=policy, optimizer=optimizer))
 for x, y in [(torch.randn(32, 64), torch.randn(32, 1))] * 10:
     state, info = step(state, x, y)  # info.loss, info.grads_finite, info.loss_scale stay on device
 print(float(info.loss), float(state.scaler.loss_scale))  # reading them syncs: do it when logging

@@ -1,0 +1,187 @@
+"""`fmp.compile`: `torch.compile` for functions that call fmp, with fmp's own code trusted by the guards.
+
+Before every call of a compiled function, Dynamo checks guards on everything its trace read. A
+step that calls fmp inlines a few hundred of fmp's functions, each reached through one of fmp's
+modules; Dynamo guards that every function, class and module it met there is still the same
+object, and on a small model that check costs as much as all the model's own guards. fmp's code
+does not change while a process trains, so `compile` drops those identity guards and keeps
+every other one: on the state, the batch, the model and the loss function, on the values that
+fmp's modules hold (the ambient autocast regions, caches, constants), and on whatever the trace
+reached through any other module, torch's and the model's included. Each function it compiles
+also gets a code object of its own, so that its graphs and recompiles are counted apart from every
+other compiled function's.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+from typing import TypeVar
+from typing import cast
+
+import torch
+from torch._dynamo.types import GuardFilterEntry
+
+__all__ = ["compile", "trusted_guard"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Dynamo names a module that traced code reaches in the frame's globals "__import_" + its name with
+# each "." written "_dot_" (the module itself when it is a package's root).
+_MODULE_ALIAS = "__import_"
+_DOT = "_dot_"
+
+# Guards on what an object is, not on what it holds: it is the same function (code and closure),
+# class, module or object as at trace time, has or lacks an attribute. Guards on values (constants,
+# lengths, dict keys) and on tensors are never dropped.
+_IDENTITY_GUARDS = frozenset(
+    {
+        "BUILTIN_MATCH",
+        "CLASS_MATCH",
+        "CLOSURE_MATCH",
+        "DUPLICATE_INPUT",
+        "FUNCTION_MATCH",
+        "HASATTR",
+        "ID_MATCH",
+        "MODULE_MATCH",
+        "NOT_PRESENT_IN_GENERIC_DICT",
+        "TYPE_MATCH",
+    }
+)
+
+
+def _root_global(source: Any) -> str | None:
+    """The global name a guard's source starts from, or None where it starts from a local."""
+    while getattr(source, "base", None) is not None:
+        source = source.base
+    name = getattr(source, "global_name", None)
+    return name if isinstance(name, str) else None
+
+
+def _is_fmp_module(alias: str) -> bool:
+    if not alias.startswith(_MODULE_ALIAS):
+        return False
+    name = alias.removeprefix(_MODULE_ALIAS).replace(_DOT, ".")
+    return (name == "fmp" or name.startswith("fmp.")) and name in sys.modules
+
+
+def trusted_guard(entry: GuardFilterEntry) -> bool:
+    """Whether a Dynamo guard only checks that fmp's own code is what it was at trace time.
+
+    Such a guard checks the identity of a function, class or module that the trace reached through
+    one of fmp's modules. `compile` drops these; a `guard_filter_fn` of one's own may use this to do
+    the same.
+
+    Args:
+        entry: One of the entries Dynamo hands a `guard_filter_fn`.
+
+    Returns:
+        True for an identity guard whose source starts at one of fmp's modules.
+    """
+    if entry.guard_type not in _IDENTITY_GUARDS:
+        return False
+    root = _root_global(entry.orig_guard.originating_source)
+    return root is not None and _is_fmp_module(root)
+
+
+def compile(
+    fn: F,
+    *,
+    fullgraph: bool = True,
+    dynamic: bool | None = None,
+    backend: str | Callable[..., Any] = "inductor",
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
+) -> F:
+    """`torch.compile(fn)` whose guards trust fmp's own code; whole-graph by default.
+
+    Takes what `torch.compile` takes and compiles the same graph; only the guards differ: those
+    that check that a function, class or module reached through fmp's modules is the one traced
+    are dropped (see [Performance and memory tuning](../how-to/performance-tuning.md)).
+    Every guard on the state, the batch, the model, the loss function and on values is kept, so a
+    new batch shape, a changed model or a new policy still recompiles. Code that replaces one of
+    fmp's functions (a test's monkeypatch) after the first call is not seen until
+    `torch._dynamo.reset()`. Each function compiled here keeps its own graphs and its own count
+    against `torch._dynamo.config.recompile_limit`, where torch.compile puts every
+    `functools.partial` it compiles in one process into one shared list (the ninth raises under
+    `fullgraph=True`). A module is compiled as torch.compile compiles it.
+
+    Args:
+        fn: The function to compile, e.g. `functools.partial(fmp.train_step, loss_fn, ...)`.
+        fullgraph: As torch.compile's; True, as fmp's steps compile whole.
+        dynamic: As torch.compile's.
+        backend: As torch.compile's.
+        mode: As torch.compile's; with the inductor backend it is folded into `options` (torch.compile
+            takes one or the other), with another backend it cannot be given.
+        options: As torch.compile's. A `guard_filter_fn` in them also runs: a guard stays where both
+            keep it. The dict is not modified.
+
+    Returns:
+        The compiled function.
+
+    Raises:
+        TypeError: If `fn` is not callable, `options` is not a dict or its `guard_filter_fn` is not
+            callable.
+        ValueError: If `mode` is unknown, or given with a backend other than inductor; and at the
+            first call, if a `guard_filter_fn` in `options` answers for another number of guards.
+    """
+    if not callable(fn):
+        raise TypeError(f"fmp.compile: fn must be callable, got {type(fn).__name__}")
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"fmp.compile: options must be a dict, got {type(options).__name__}")
+    merged: dict[str, Any] = {}
+    if mode not in (None, "default"):
+        if backend != "inductor":
+            raise ValueError(
+                f"fmp.compile: mode={mode!r} works with the inductor backend only, got backend={backend!r}; "
+                "pass the backend's own options instead"
+            )
+        try:
+            merged.update(torch._inductor.list_mode_options(mode, dynamic))
+        except RuntimeError as error:  # torch's "Unrecognized mode=..., should be one of: ..."
+            raise ValueError(f"fmp.compile: {error}") from None
+    merged.update(options or {})
+    merged["guard_filter_fn"] = _keep_untrusted(merged.get("guard_filter_fn"))
+    target = fn if isinstance(fn, torch.nn.Module) else _own_frame(fn)
+    compiled = torch.compile(target, fullgraph=fullgraph, dynamic=dynamic, backend=backend, options=merged)
+    return cast(F, compiled)
+
+
+def _own_frame(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` called from a function whose code object is its own.
+
+    Dynamo keeps compiled graphs, and counts recompiles against `recompile_limit`, per code object.
+    torch.compile calls a `functools.partial` (the usual way to bind a step's loss function and
+    settings) from one shared wrapper, so every compiled partial in a process shares one list of
+    graphs: each call checks the others' guards first, and the ninth partial hits the limit.
+    """
+
+    def compiled_function(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    # replace() makes a new code object (copy.deepcopy would return the same one).
+    compiled_function.__code__ = compiled_function.__code__.replace()
+    return functools.wraps(fn)(compiled_function)
+
+
+def _keep_untrusted(
+    user_filter: Callable[[Sequence[GuardFilterEntry]], Sequence[bool]] | None,
+) -> Callable[[Sequence[GuardFilterEntry]], list[bool]]:
+    if user_filter is not None and not callable(user_filter):
+        raise TypeError(f"fmp.compile: options['guard_filter_fn'] must be callable, got {type(user_filter).__name__}")
+
+    def guard_filter(entries: Sequence[GuardFilterEntry]) -> list[bool]:
+        kept = [not trusted_guard(entry) for entry in entries]
+        if user_filter is None:
+            return kept
+        theirs = user_filter(entries)
+        if len(theirs) != len(entries):
+            raise ValueError(
+                f"fmp.compile: options['guard_filter_fn'] returned {len(theirs)} answers for {len(entries)} guards"
+            )
+        return [bool(ours) and bool(their) for ours, their in zip(kept, theirs, strict=True)]
+
+    return guard_filter

@@ -1,0 +1,228 @@
+"""fmp.compile: the graph torch.compile makes, with the guards on fmp's own code dropped and every other kept."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import re
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_trees_bitwise_equal
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.types import GuardFilterEntry
+
+import fmp
+
+POLICY = fmp.get_policy("params=float32,compute=bfloat16,output=float32,rules=cpu")
+ADAMW = fmp.optim.adamw(1e-3)
+_ALIAS = re.compile(r"G\['__import_(fmp(?:_dot_\w+?)?)'\]\.(\w+)$")
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def _setup() -> tuple[nn.Module, Callable[..., Any], fmp.TrainState]:
+    model = _model()
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(torch.func.functional_call(model, params, (x,)), y)
+
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state = fmp.TrainState.create(params, ADAMW, fmp.DynamicLossScale.create(growth_interval=1))
+    return model, loss_fn, state
+
+
+def _batches(count: int, rows: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    draw = functools.partial(torch.randn, generator=generator)
+    return [(draw(rows, 8), draw(rows, 1)) for _ in range(count)]
+
+
+def _recorder() -> tuple[list[GuardFilterEntry], Callable[[Sequence[GuardFilterEntry]], list[bool]]]:
+    seen: list[GuardFilterEntry] = []
+
+    def keep_all(entries: Sequence[GuardFilterEntry]) -> list[bool]:
+        seen.extend(entries)
+        return [True] * len(entries)
+
+    return seen, keep_all
+
+
+def test_the_step_compiles_whole_equals_the_eager_step_and_does_not_recompile_as_the_scale_moves() -> None:
+    torch._dynamo.reset()
+    _, loss_fn, state = _setup()
+    counter = CompileCounterWithBackend("eager")
+    step = fmp.compile(functools.partial(fmp.train_step, loss_fn, policy=POLICY, optimizer=ADAMW), backend=counter)
+    eager_state = compiled_state = state
+    batches = _batches(4)
+    batches[1][0][0, 0] = float("inf")  # backs the scale off; the others grow it
+    for x, y in batches:
+        eager_state, eager_info = fmp.train_step(loss_fn, eager_state, x, y, policy=POLICY, optimizer=ADAMW)
+        compiled_state, info = step(compiled_state, x, y)
+        assert_trees_bitwise_equal(compiled_state, eager_state)
+        assert_trees_bitwise_equal(info, eager_info)
+    assert counter.frame_count == 1
+
+
+def test_only_identity_guards_reached_through_fmp_modules_are_trusted() -> None:
+    torch._dynamo.reset()
+    _, loss_fn, state = _setup()
+    seen, keep_all = _recorder()
+    step = fmp.compile(
+        functools.partial(fmp.train_step, loss_fn, policy=POLICY, optimizer=ADAMW),
+        backend="eager",
+        options={"guard_filter_fn": keep_all},
+    )
+    step(state, *_batches(1)[0])
+    trusted = [entry for entry in seen if fmp.trusted_guard(entry)]
+    assert len(trusted) > 100
+    for entry in trusted:
+        assert entry.is_global and "G['__import_fmp" in entry.name
+        assert entry.guard_type in {"CLOSURE_MATCH", "FUNCTION_MATCH", "ID_MATCH", "MODULE_MATCH", "CLASS_MATCH"} | {
+            "BUILTIN_MATCH",
+            "TYPE_MATCH",
+            "DUPLICATE_INPUT",
+            "NOT_PRESENT_IN_GENERIC_DICT",
+            "HASATTR",
+        }
+    kept = [entry for entry in seen if not fmp.trusted_guard(entry)]
+    # The state's tensors, the loss function (and the model it holds), values held in fmp's modules,
+    # and what the trace reached through torch's own modules keep their guards.
+    assert any(entry.guard_type == "TENSOR_MATCH" for entry in kept)
+    assert any(entry.name.startswith("args[0].params") for entry in kept)
+    assert any(entry.name.startswith("fn") for entry in kept)  # the partial: loss function, policy, optimizer
+    assert any("G['__import_fmp" in entry.name for entry in kept)
+    assert any(entry.name.startswith("G['__import_torch") and entry.guard_type == "CLOSURE_MATCH" for entry in kept)
+
+
+def test_a_new_batch_shape_or_a_changed_model_recompiles_a_patched_fmp_function_does_not() -> None:
+    torch._dynamo.reset()
+    model, loss_fn, state = _setup()
+    seen, keep_all = _recorder()
+    counter = CompileCounterWithBackend("eager")
+    step = fmp.compile(
+        functools.partial(fmp.train_step, loss_fn, policy=POLICY, optimizer=ADAMW),
+        backend=counter,
+        options={"guard_filter_fn": keep_all},
+    )
+    state, _ = step(state, *_batches(1)[0])
+    state, _ = step(state, *_batches(1, rows=6)[0])
+    assert counter.frame_count == 2
+    model[1] = nn.Tanh()
+    state, _ = step(state, *_batches(1, rows=6)[0])
+    assert counter.frame_count == 3
+    # A function of fmp's that the step reached through its module, replaced by an equal one.
+    module_alias, name = next(
+        match.groups() for entry in seen if entry.guard_type == "CLOSURE_MATCH" and (match := _ALIAS.match(entry.name))
+    )
+    module = importlib.import_module(module_alias.replace("_dot_", "."))
+    original = getattr(module, name)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(module, name, functools.wraps(original)(lambda *a, **k: original(*a, **k)))
+        step(state, *_batches(1, rows=6)[0])
+        assert counter.frame_count == 3
+        plain_counter = CompileCounterWithBackend("eager")
+        plain = torch.compile(
+            functools.partial(fmp.train_step, loss_fn, policy=POLICY, optimizer=ADAMW),
+            backend=plain_counter,
+            fullgraph=True,
+        )
+        plain(state, *_batches(1, rows=6)[0])
+        patch.setattr(module, name, original)
+        plain(state, *_batches(1, rows=6)[0])
+        assert plain_counter.frame_count == 2  # torch.compile's own guards see the function change
+
+
+def test_each_compiled_function_keeps_its_own_graphs_and_recompile_count() -> None:
+    torch._dynamo.reset()
+    _, loss_fn, state = _setup()
+    batch = _batches(1)[0]
+    steps = [
+        functools.partial(fmp.train_step, loss_fn, policy=POLICY, optimizer=fmp.optim.sgd(lr)) for lr in (0.1, 0.2)
+    ]
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for step in steps:
+            sgd_state = fmp.TrainState.create(state.params, step.keywords["optimizer"], state.scaler)
+            fmp.compile(step, backend="eager")(sgd_state, *batch)
+        # torch.compile calls every partial from one shared wrapper: the second is its first's recompile.
+        torch.compile(steps[0], backend="eager", fullgraph=True)(sgd_state, *batch)
+        with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+            torch.compile(steps[1], backend="eager", fullgraph=True)(sgd_state, *batch)
+
+
+def test_options_and_mode_reach_torch_compile_with_the_filter_and_the_callers_dict_is_left_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    options = {"realize_reads_threshold": 1}
+    wrapped = fmp.compile(step, options=options)
+    assert wrapped.__wrapped__ is step and wrapped.__code__ is not step.__code__  # type: ignore[attr-defined]
+    assert options == {"realize_reads_threshold": 1}
+    assert calls[-1]["fullgraph"] is True and calls[-1]["backend"] == "inductor"
+    assert calls[-1]["options"]["realize_reads_threshold"] == 1
+    assert callable(calls[-1]["options"]["guard_filter_fn"])
+    fmp.compile(step, mode="max-autotune-no-cudagraphs", fullgraph=False)
+    assert calls[-1]["fullgraph"] is False and calls[-1]["options"]["max_autotune"] is True
+    assert "mode" not in calls[-1]
+    fmp.compile(step, backend="eager", mode="default")
+    assert set(calls[-1]["options"]) == {"guard_filter_fn"}
+
+
+def test_a_guard_filter_of_ones_own_also_runs_and_bad_arguments_are_named() -> None:
+    torch._dynamo.reset()
+    _, loss_fn, state = _setup()
+    asked: list[int] = []
+
+    def drop_nothing(entries: Sequence[GuardFilterEntry]) -> list[bool]:
+        asked.append(len(entries))
+        return [True] * len(entries)
+
+    partial = functools.partial(fmp.train_step, loss_fn, policy=POLICY, optimizer=ADAMW)
+    fmp.compile(partial, backend="eager", options={"guard_filter_fn": drop_nothing})(state, *_batches(1)[0])
+    assert asked and asked[0] > 0
+    torch._dynamo.reset()
+    short = fmp.compile(partial, backend="eager", options={"guard_filter_fn": lambda entries: [True]})
+    with pytest.raises(Exception, match=r"guard_filter_fn'\] returned 1 answers for \d+ guards"):
+        short(state, *_batches(1)[0])
+    with pytest.raises(TypeError, match=r"guard_filter_fn'\] must be callable, got int"):
+        fmp.compile(partial, options={"guard_filter_fn": 3})
+    with pytest.raises(TypeError, match="fn must be callable, got int"):
+        fmp.compile(3)  # type: ignore[type-var]
+    with pytest.raises(TypeError, match="options must be a dict, got list"):
+        fmp.compile(partial, options=[])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Unrecognized mode=fastest"):
+        fmp.compile(partial, mode="fastest")
+    with pytest.raises(ValueError, match="mode='max-autotune' works with the inductor backend only"):
+        fmp.compile(partial, backend="eager", mode="max-autotune")
+
+
+@pytest.mark.compiled
+def test_inductor_compiles_the_donated_step_once_as_torch_compile_does() -> None:
+    torch._dynamo.reset()
+    _, loss_fn, state = _setup()
+    counter = CompileCounterWithBackend("inductor")
+    partial = functools.partial(fmp.train_step, loss_fn, policy=POLICY, optimizer=ADAMW, donate=True)
+    step = fmp.compile(partial, backend=counter)
+    plain = torch.compile(partial, fullgraph=True)
+    ours, theirs = state, torch.utils._pytree.tree_map(torch.clone, state)
+    batches = _batches(3)
+    batches[1][0][0, 0] = float("nan")
+    for x, y in batches:
+        ours, info = step(ours, x, y)
+        theirs, their_info = plain(theirs, x, y)
+        assert_trees_bitwise_equal(ours, theirs)
+        assert_trees_bitwise_equal(info, their_info)
+    assert counter.frame_count == 1
