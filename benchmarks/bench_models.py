@@ -30,8 +30,10 @@ rounds show what a step costs on its own):
   fmp compiled            fmp.train_step compiled whole by fmp.compile, the device's rules
   fmp donated             the same with donate=True (the update is written into the old buffers)
   fmp donated, torch.compile
-                          the same compiled by torch.compile(fullgraph=True): the same graph, with
-                          Dynamo's guards on fmp's own code, which fmp.compile drops
+                          the same compiled by torch.compile(fullgraph=True): the same kernels,
+                          with Dynamo's guards on the identity of what the trace reached through
+                          fmp's modules, which fmp.compile drops, and on a CPU with the graph's
+                          Python wrapper, which fmp.compile generates as C++ there (cpp_wrapper)
   fmp donated, tuned      fmp donated compiled with options={"realize_reads_threshold": 1}: Inductor
                           keeps every intermediate read more than once, as max pooling's argmax,
                           which a whole-step graph would otherwise recompute in the backward pass

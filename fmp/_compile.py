@@ -4,12 +4,16 @@ Before every call of a compiled function, Dynamo checks guards on everything its
 step that calls fmp inlines a few hundred of fmp's functions, each reached through one of fmp's
 modules; Dynamo guards that every function, class and module it met there is still the same
 object, and on a small model that check costs as much as all the model's own guards. fmp's code
-does not change while a process trains, so `compile` drops those identity guards and keeps
-every other one: on the state, the batch, the model and the loss function, on the values that
-fmp's modules hold (the ambient autocast regions, caches, constants), and on whatever the trace
-reached through any other module, torch's and the model's included. Each function it compiles
-also gets a code object of its own, so that its graphs and recompiles are counted apart from every
-other compiled function's.
+does not change while a process trains, so `compile` drops those identity guards (on fmp's
+functions and classes and on the torch objects fmp's modules refer to by name) and keeps every
+other one: on the state, the batch, the model and the loss function, on the values that fmp's
+modules hold (the ambient autocast regions, caches, constants), and on whatever the trace reached
+through any other module (the model's code, and torch as the model's modules name it).
+
+Each function it compiles also gets a code object of its own, so that its graphs and recompiles
+are counted apart from every other compiled function's; and on a machine without an accelerator
+Inductor generates the graph's wrapper as C++ (`cpp_wrapper`), which calls the same kernels with
+less overhead per call.
 """
 
 from __future__ import annotations
@@ -69,22 +73,27 @@ def _is_fmp_module(alias: str) -> bool:
 
 
 def trusted_guard(entry: GuardFilterEntry) -> bool:
-    """Whether a Dynamo guard only checks that fmp's own code is what it was at trace time.
+    """Whether a Dynamo guard only checks that fmp's code, as its modules name it, is what was traced.
 
-    Such a guard checks the identity of a function, class or module that the trace reached through
-    one of fmp's modules. `compile` drops these; a `guard_filter_fn` of one's own may use this to do
-    the same.
+    Such a guard checks the identity of an object that the trace reached through one of fmp's
+    modules: fmp's functions and classes, and the torch and standard-library objects fmp's code
+    refers to by name (`torch.where` as fmp's modules see it). `compile` drops these; a
+    `guard_filter_fn` of one's own may use this to do the same.
 
     Args:
         entry: One of the entries Dynamo hands a `guard_filter_fn`.
 
     Returns:
-        True for an identity guard whose source starts at one of fmp's modules.
+        True for an identity guard whose sources all start at fmp's modules.
     """
     if entry.guard_type not in _IDENTITY_GUARDS:
         return False
-    root = _root_global(entry.orig_guard.originating_source)
-    return root is not None and _is_fmp_module(root)
+    sources: list[Any] = [entry.orig_guard.originating_source]
+    if entry.guard_type == "DUPLICATE_INPUT":
+        # Two sources that must be one object: trusted only where both start at fmp's modules.
+        sources.append(getattr(entry.orig_guard.create_fn, "keywords", {}).get("source_b"))
+    roots = [_root_global(source) for source in sources]
+    return all(root is not None and _is_fmp_module(root) for root in roots)
 
 
 def compile(
@@ -95,19 +104,24 @@ def compile(
     backend: str | Callable[..., Any] = "inductor",
     mode: str | None = None,
     options: dict[str, Any] | None = None,
+    **compile_kwargs: Any,
 ) -> F:
     """`torch.compile(fn)` whose guards trust fmp's own code; whole-graph by default.
 
     Takes what `torch.compile` takes and compiles the same graph; only the guards differ: those
-    that check that a function, class or module reached through fmp's modules is the one traced
-    are dropped (see [Performance and memory tuning](../how-to/performance-tuning.md)).
+    that check that an object reached through fmp's modules (fmp's functions and classes, the torch
+    functions they call) is the one traced are dropped (see `trusted_guard` and
+    [Performance and memory tuning](../how-to/performance-tuning.md)).
     Every guard on the state, the batch, the model, the loss function and on values is kept, so a
     new batch shape, a changed model or a new policy still recompiles. Code that replaces one of
     fmp's functions (a test's monkeypatch) after the first call is not seen until
     `torch._dynamo.reset()`. Each function compiled here keeps its own graphs and its own count
     against `torch._dynamo.config.recompile_limit`, where torch.compile puts every
     `functools.partial` it compiles in one process into one shared list (the ninth raises under
-    `fullgraph=True`). A module is compiled as torch.compile compiles it.
+    `fullgraph=True`); so compiling one function twice compiles it twice. A module is compiled as
+    torch.compile compiles it. With the inductor backend on a machine without an accelerator, it
+    also sets Inductor's `cpp_wrapper` unless `options` do: the graph's kernels are called from
+    generated C++ rather than Python.
 
     Args:
         fn: The function to compile, e.g. `functools.partial(fmp.train_step, loss_fn, ...)`.
@@ -118,6 +132,8 @@ def compile(
             takes one or the other), with another backend it cannot be given.
         options: As torch.compile's. A `guard_filter_fn` in them also runs: a guard stays where both
             keep it. The dict is not modified.
+        **compile_kwargs: torch.compile's other keywords (`disable`, `recompile_limit`, ... as the
+            installed torch has them), passed on.
 
     Returns:
         The compiled function.
@@ -144,9 +160,15 @@ def compile(
         except RuntimeError as error:  # torch's "Unrecognized mode=..., should be one of: ..."
             raise ValueError(f"fmp.compile: {error}") from None
     merged.update(options or {})
+    if backend == "inductor" and not torch.accelerator.is_available():
+        # Everything runs on the CPU: the graph's Python wrapper (buffer allocation, kernel calls)
+        # is generated as C++, the same kernels called with less overhead per step.
+        merged.setdefault("cpp_wrapper", True)
     merged["guard_filter_fn"] = _keep_untrusted(merged.get("guard_filter_fn"))
     target = fn if isinstance(fn, torch.nn.Module) else _own_frame(fn)
-    compiled = torch.compile(target, fullgraph=fullgraph, dynamic=dynamic, backend=backend, options=merged)
+    compiled = torch.compile(
+        target, fullgraph=fullgraph, dynamic=dynamic, backend=backend, options=merged, **compile_kwargs
+    )
     return cast(F, compiled)
 
 

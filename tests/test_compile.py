@@ -7,6 +7,7 @@ import importlib
 import re
 from collections.abc import Callable
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,6 +15,9 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_trees_bitwise_equal
 from torch import nn
+from torch._dynamo.source import AttrSource
+from torch._dynamo.source import GlobalSource
+from torch._dynamo.source import LocalSource
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.types import GuardFilterEntry
 
@@ -167,18 +171,48 @@ def test_options_and_mode_reach_torch_compile_with_the_filter_and_the_callers_di
     def step(x: torch.Tensor) -> torch.Tensor:
         return x
 
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
     options = {"realize_reads_threshold": 1}
     wrapped = fmp.compile(step, options=options)
     assert wrapped.__wrapped__ is step and wrapped.__code__ is not step.__code__  # type: ignore[attr-defined]
     assert options == {"realize_reads_threshold": 1}
     assert calls[-1]["fullgraph"] is True and calls[-1]["backend"] == "inductor"
     assert calls[-1]["options"]["realize_reads_threshold"] == 1
+    assert calls[-1]["options"]["cpp_wrapper"] is True  # a CPU-only machine: the wrapper in C++
+    fmp.compile(step, options={"cpp_wrapper": False})
+    assert calls[-1]["options"]["cpp_wrapper"] is False
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    fmp.compile(step)
+    assert "cpp_wrapper" not in calls[-1]["options"]
     assert callable(calls[-1]["options"]["guard_filter_fn"])
     fmp.compile(step, mode="max-autotune-no-cudagraphs", fullgraph=False)
     assert calls[-1]["fullgraph"] is False and calls[-1]["options"]["max_autotune"] is True
     assert "mode" not in calls[-1]
-    fmp.compile(step, backend="eager", mode="default")
-    assert set(calls[-1]["options"]) == {"guard_filter_fn"}
+    fmp.compile(step, backend="eager", mode="default", disable=True)
+    assert set(calls[-1]["options"]) == {"guard_filter_fn"} and calls[-1]["disable"] is True
+
+
+def _entry(guard_type: str, source: Any, source_b: Any = None) -> GuardFilterEntry:
+    create_fn = functools.partial(print, source_b=source_b) if source_b is not None else print
+    guard = SimpleNamespace(originating_source=source, create_fn=create_fn)
+    return GuardFilterEntry(source.name, False, None, guard_type, (), True, guard)  # type: ignore[arg-type]
+
+
+def test_a_guard_is_trusted_only_where_every_source_starts_at_an_fmp_module() -> None:
+    fmp_step = AttrSource(GlobalSource("__import_fmp_dot__step"), "train_step")
+    fmp_root = AttrSource(GlobalSource("__import_fmp"), "train_step")
+    torch_module = AttrSource(GlobalSource("__import_torch_dot_nn_dot_functional"), "relu")
+    look_alike = AttrSource(GlobalSource("__import_fmpx"), "f")  # another package whose name starts "fmp"
+    user = AttrSource(LocalSource("fn"), "func")
+    assert fmp.trusted_guard(_entry("CLOSURE_MATCH", fmp_step))
+    assert fmp.trusted_guard(_entry("ID_MATCH", fmp_root))
+    assert not fmp.trusted_guard(_entry("CLOSURE_MATCH", torch_module))
+    assert not fmp.trusted_guard(_entry("CLOSURE_MATCH", look_alike))
+    assert not fmp.trusted_guard(_entry("CLOSURE_MATCH", user))
+    assert not fmp.trusted_guard(_entry("CONSTANT_MATCH", fmp_step))  # a value, not an identity
+    assert fmp.trusted_guard(_entry("DUPLICATE_INPUT", fmp_step, fmp_root))
+    # The same object reached through fmp and through the caller's own arguments: kept.
+    assert not fmp.trusted_guard(_entry("DUPLICATE_INPUT", fmp_step, user))
 
 
 def test_a_guard_filter_of_ones_own_also_runs_and_bad_arguments_are_named() -> None:
