@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 from typing import TypeVar
 from typing import cast
+from typing import overload
 
 import torch
 from torch._dynamo.types import GuardFilterEntry
@@ -96,6 +97,7 @@ def trusted_guard(entry: GuardFilterEntry) -> bool:
     return all(root is not None and _is_fmp_module(root) for root in roots)
 
 
+@overload
 def compile(
     fn: F,
     *,
@@ -105,7 +107,32 @@ def compile(
     mode: str | None = None,
     options: dict[str, Any] | None = None,
     **compile_kwargs: Any,
-) -> F:
+) -> F: ...
+
+
+@overload
+def compile(
+    fn: None = None,
+    *,
+    fullgraph: bool = True,
+    dynamic: bool | None = None,
+    backend: str | Callable[..., Any] = "inductor",
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
+    **compile_kwargs: Any,
+) -> Callable[[F], F]: ...
+
+
+def compile(
+    fn: F | None = None,
+    *,
+    fullgraph: bool = True,
+    dynamic: bool | None = None,
+    backend: str | Callable[..., Any] = "inductor",
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
+    **compile_kwargs: Any,
+) -> F | Callable[[F], F]:
     """`torch.compile(fn)` whose guards trust fmp's own code; whole-graph by default.
 
     Takes what `torch.compile` takes and compiles the same graph; only the guards differ: those
@@ -124,7 +151,8 @@ def compile(
     generated C++ rather than Python.
 
     Args:
-        fn: The function to compile, e.g. `functools.partial(fmp.train_step, loss_fn, ...)`.
+        fn: The function to compile, e.g. `functools.partial(fmp.train_step, loss_fn, ...)`; without
+            it, a decorator (`@fmp.compile(options=...)`), as torch.compile's.
         fullgraph: As torch.compile's; True, as fmp's steps compile whole.
         dynamic: As torch.compile's.
         backend: As torch.compile's.
@@ -136,7 +164,7 @@ def compile(
             installed torch has them), passed on.
 
     Returns:
-        The compiled function.
+        The compiled function, or without `fn` a decorator that compiles one.
 
     Raises:
         TypeError: If `fn` is not callable, `options` is not a dict or its `guard_filter_fn` is not
@@ -144,6 +172,20 @@ def compile(
         ValueError: If `mode` is unknown, or given with a backend other than inductor; and at the
             first call, if a `guard_filter_fn` in `options` answers for another number of guards.
     """
+    if fn is None:
+
+        def decorate(function: F) -> F:
+            return compile(
+                function,
+                fullgraph=fullgraph,
+                dynamic=dynamic,
+                backend=backend,
+                mode=mode,
+                options=options,
+                **compile_kwargs,
+            )
+
+        return decorate
     if not callable(fn):
         raise TypeError(f"fmp.compile: fn must be callable, got {type(fn).__name__}")
     if options is not None and not isinstance(options, dict):

@@ -188,6 +188,13 @@ def test_options_and_mode_reach_torch_compile_with_the_filter_and_the_callers_di
     fmp.compile(step, mode="max-autotune-no-cudagraphs", fullgraph=False)
     assert calls[-1]["fullgraph"] is False and calls[-1]["options"]["max_autotune"] is True
     assert "mode" not in calls[-1]
+
+    @fmp.compile(options={"realize_reads_threshold": 2})
+    def decorated(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    assert decorated.__wrapped__.__name__ == "decorated"  # type: ignore[attr-defined]
+    assert calls[-1]["options"]["realize_reads_threshold"] == 2 and calls[-1]["fullgraph"] is True
     fmp.compile(step, backend="eager", mode="default", disable=True)
     assert set(calls[-1]["options"]) == {"guard_filter_fn"} and calls[-1]["disable"] is True
 
