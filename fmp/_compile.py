@@ -19,7 +19,6 @@ less overhead per call.
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -67,10 +66,8 @@ def _root_global(source: Any) -> str | None:
 
 
 def _is_fmp_module(alias: str) -> bool:
-    if not alias.startswith(_MODULE_ALIAS):
-        return False
     name = alias.removeprefix(_MODULE_ALIAS).replace(_DOT, ".")
-    return (name == "fmp" or name.startswith("fmp.")) and name in sys.modules
+    return alias.startswith(_MODULE_ALIAS) and (name == "fmp" or name.startswith("fmp."))
 
 
 def trusted_guard(entry: GuardFilterEntry) -> bool:

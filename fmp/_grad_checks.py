@@ -133,16 +133,14 @@ def check_losses(out: Any, scaler: ScalerTree) -> Any:
     return tuple(_check_loss(loss, f"loss_fn's loss[{index}] must be") for index, loss in enumerate(out))
 
 
-def _no_dependence_message(which: str) -> str:
-    return (
+def _warn(which: str) -> bool:
+    warnings.warn(
         f"loss_fn's {which} does not depend on params, so its gradients are all zero (weight decay and "
         f"momentum still move the params): was it detached, computed under torch.no_grad or rebuilt from "
-        f".item(), or the model called as model(x) instead of torch.func.functional_call(model, params, (x,))?"
+        f".item(), or the model called as model(x) instead of torch.func.functional_call(model, params, (x,))?",
+        UserWarning,
+        stacklevel=3,
     )
-
-
-def _warn(which: str) -> bool:
-    warnings.warn(_no_dependence_message(which), UserWarning, stacklevel=3)
     return True
 
 
