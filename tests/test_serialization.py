@@ -146,6 +146,40 @@ def test_garbage_and_flipped_bytes_are_named_corrupt(saved: tuple[fmp.TrainState
         load(tmp_path / "missing.pt", state)
 
 
+@hypothesis.settings(max_examples=40)
+@hypothesis.given(extra=st.binary(min_size=1, max_size=300))
+def test_bytes_appended_to_a_checkpoint_are_refused(
+    saved: tuple[fmp.TrainState, Path], tmp_path_factory: pytest.TempPathFactory, extra: bytes
+) -> None:
+    # torch.load reads the archive from its end record and ignores what follows it.
+    state, path = saved
+    bad = tmp_path_factory.mktemp("appended") / "c.pt"
+    bad.write_bytes(path.read_bytes() + extra)
+    with pytest.raises(CheckpointError) as error:
+        load(bad, state)
+    refused(error, f"checkpoint {bad} is truncated or corrupt (", "load an earlier checkpoint")
+
+
+def test_a_checkpoint_written_twice_into_one_file_or_behind_its_end_record_is_refused(tmp_path: Path) -> None:
+    # Larger than the 64 KiB in which a zip's end record may lie, so that the records are sought, not found.
+    state = {"w": torch.randn(40_000), "b": torch.randn(3)}
+    path = tmp_path / "state.pt"
+    save(state, path)
+    data = path.read_bytes()
+    assert_trees_bitwise_equal(load(path, state), state)
+    end_record = data[data.rindex(b"PK\x05\x06") :]
+    cases = {
+        "twice.pt": (data + data, f"{len(data)} bytes precede its zip archive"),
+        "end.pt": (data + end_record, "its central directory does not end where its end records begin"),
+        "tail.pt": (data + b"\0" * 5, "5 bytes follow the end of its zip archive"),
+    }
+    for name, (content, cause) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(CheckpointError) as error:
+            load(tmp_path / name, state)
+        refused(error, f"checkpoint {tmp_path / name} is truncated or corrupt ({cause})")
+
+
 class Opaque:
     pass
 

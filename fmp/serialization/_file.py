@@ -16,6 +16,7 @@ from typing import TypeVar
 import torch
 import torch.utils._pytree as pytree
 
+from fmp.serialization._archive import bytes_outside_archive
 from fmp.serialization._header import CheckpointError
 from fmp.serialization._header import check_format
 from fmp.serialization._header import current_treespec
@@ -174,7 +175,7 @@ def _read(path: Path) -> Any:
     """The object in `path`, read with `torch.load(weights_only=True)` onto the CPU."""
     with open(path, "rb") as file:  # a missing file raises FileNotFoundError as it is
         try:
-            return torch.load(file, map_location="cpu", weights_only=True)
+            checkpoint = torch.load(file, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as error:
             # torch's message would suggest weights_only=False; name only what it found.
             reason = str(error).rsplit("WeightsUnpickler error:", 1)[-1].strip()
@@ -187,9 +188,12 @@ def _read(path: Path) -> Any:
             cause = f"UnpicklingError: {_first_sentence(reason)}"
         except Exception as error:  # a damaged file fails wherever the damage lies: in the zip, the pickle, a record
             cause = f"{type(error).__name__}: {_first_sentence(str(error))}"
-    raise CheckpointError(
-        f"checkpoint {path} is truncated or corrupt ({cause}); load an earlier checkpoint, or save the state again"
-    )
+        else:
+            extra = bytes_outside_archive(file)
+            if extra is None:
+                return checkpoint
+            cause = extra
+    raise _corrupt(path, cause)
 
 
 def _corrupt(path: Path, cause: str) -> CheckpointError:
