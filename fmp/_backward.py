@@ -19,6 +19,7 @@ the way out.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -75,13 +76,36 @@ def _module_parameters(tensors: Sequence[torch.Tensor]) -> list[torch.nn.Paramet
     return [x for x in tracked_leaves(tensors) if isinstance(x, torch.nn.Parameter)]
 
 
+def _warn_reads_outside_params() -> bool:
+    warnings.warn(
+        "loss_fn's loss reaches tensors outside params that require grad, which the compiled step does not "
+        "update: a module called as model(x) instead of torch.func.functional_call(model, params, (x,)), or "
+        "frozen weights that still require grad (call requires_grad_(False) on them). A learned tensor the loss "
+        "captures on purpose (a meta-gradient) gets its gradient as eager: then filter this warning. Eager, "
+        "the step names the nn.Parameters it reads",
+        UserWarning,
+        stacklevel=2,
+    )
+    return True
+
+
+# Dynamo calls a function of constant result once, while it traces: the warning comes when the step
+# compiles, where `warnings.warn` itself cannot be traced.
+_warn_reads_outside_params_while_tracing: Callable[[], bool] = torch.compiler.assume_constant_result(  # type: ignore[no-untyped-call]
+    _warn_reads_outside_params
+)
+
+
 def check_reads_no_module_parameters(loss: Any, args: Any) -> None:
     """Raises if the loss reads a module's own `nn.Parameter`s, which get no gradient from the step.
 
     Only a loss that autograd tracks is searched, so the usual step pays nothing, and what the
     caller passed in `args` passes, `nn.Parameter`s included: a meta-gradient with plain autograd
     through an input that requires grad (a learned hyperparameter, or a tensor computed from one).
-    Eager only: a compiled step cannot read autograd's graph while it is traced.
+    Compiled, autograd's graph cannot be read while the step is traced, but whether the loss
+    requires grad outside the differentiation can: where it does and no argument requires grad,
+    the step warns once, as it compiles, since it cannot tell a module's parameters from a
+    learned tensor the loss captures on purpose.
 
     Args:
         loss: The loss (a tensor or a pytree of them).
@@ -91,6 +115,9 @@ def check_reads_no_module_parameters(loss: Any, args: Any) -> None:
         ValueError: Naming how many parameters were read and their shapes.
     """
     if torch.compiler.is_compiling():
+        tracked = any(isinstance(x, torch.Tensor) and x.requires_grad for x in pytree.tree_leaves(loss))
+        if tracked and not _needs_transform(args):
+            _warn_reads_outside_params_while_tracing()
         return
     tracked = [functorch_base(x) for x in pytree.tree_leaves(loss) if isinstance(x, torch.Tensor)]
     tracked = [x for x in tracked if x.requires_grad]

@@ -463,6 +463,37 @@ def test_a_loss_that_reads_a_modules_own_parameters_is_named() -> None:
         step(uses_params, new_state, x, y)
 
 
+def test_a_compiled_step_whose_loss_reads_a_modules_own_parameters_warns_as_it_compiles() -> None:
+    # Compiled, autograd's graph cannot be walked while tracing: the loss still requiring grad outside
+    # the differentiation, with no argument that does, is what shows it.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 1))
+    optimizer = fmp.optim.sgd(0.1)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    state = fmp.TrainState.create(params, optimizer, fmp.NoOpLossScale())
+    x, y = torch.randn(5, 8), torch.randn(5, 1)
+
+    def reads_both(params: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        held = torch.nn.functional.mse_loss(model(x), y)  # the module's own weights: no update
+        return held + torch.nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)), y)
+
+    def uses_params(params: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(torch.func.functional_call(model, params, (x,)), y)
+
+    step = functools.partial(fmp.train_step, policy=fmp.Policy(), optimizer=optimizer)
+    compiled = fmp.compile(functools.partial(step, reads_both), backend="eager")
+    with pytest.warns(UserWarning, match=r"reaches tensors outside params that require grad.* model\(x\)"):
+        _, info = compiled(state, x, y)
+    assert info.loss.requires_grad  # what the warning saw while tracing
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiled(state, x, y)  # once, as the step compiles
+        _, info = fmp.compile(functools.partial(step, uses_params), backend="eager")(state, x, y)
+        # An argument that requires grad is a meta-gradient the caller asked for: no warning.
+        fmp.compile(functools.partial(step, reads_both), backend="eager")(state, x.requires_grad_(), y)
+    assert not info.loss.requires_grad
+
+
 @pytest.mark.parametrize("derived", [False, True], ids=["parameter", "computed-from-one"])
 def test_a_meta_gradient_through_an_nn_parameter_passed_in_args_passes(derived: bool) -> None:
     # A learned hyperparameter is an nn.Parameter handed to torch.optim: passed in args (as it is, or
