@@ -32,6 +32,8 @@ from fmp._policy import half_dtype
 from fmp._rounding import stochastic_round
 from fmp._scaler import Unscaled
 from fmp._scaler import unscale_and_adjust
+from fmp._stack import stack_trees
+from fmp._stack import unstack_tree
 from fmp._stall import LossScaleStalledError
 from fmp._stall import raise_if_stalled
 from fmp._state import StepCounts
@@ -44,8 +46,6 @@ from fmp._struct import resolve_annotations as _resolve_annotations
 from fmp._tree import all_finite
 from fmp._tree import cast_floating
 from fmp._tree import select_tree
-from fmp._tree import stack_trees
-from fmp._tree import unstack_tree
 
 _resolve_annotations()  # every state class is defined by now
 

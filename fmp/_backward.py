@@ -115,8 +115,7 @@ def check_reads_no_module_parameters(loss: Any, args: Any) -> None:
         ValueError: Naming how many parameters were read and their shapes.
     """
     if torch.compiler.is_compiling():
-        tracked = any(isinstance(x, torch.Tensor) and x.requires_grad for x in pytree.tree_leaves(loss))
-        if tracked and not _needs_transform(args):
+        if _requires_grad(loss) and not _requires_grad(args):
             _warn_reads_outside_params_while_tracing()
         return
     tracked = [functorch_base(x) for x in pytree.tree_leaves(loss) if isinstance(x, torch.Tensor)]
@@ -188,9 +187,9 @@ def _with_autograd(fn: Callable[..., tuple[torch.Tensor, Any]], params: Any, *ar
     return Differentiated(pytree.tree_unflatten(grads, spec), aux, owned)
 
 
-def _needs_transform(args: Any) -> bool:
-    """Whether an argument requires grad: a meta-gradient through the step, which torch.func.grad records."""
-    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in pytree.tree_leaves(args))
+def _requires_grad(tree: Any) -> bool:
+    """Whether a tensor of `tree` requires grad (of the arguments: a meta-gradient, which torch.func.grad records)."""
+    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in pytree.tree_leaves(tree))
 
 
 def _viewing_params(fn: Callable[..., tuple[torch.Tensor, Any]]) -> Callable[..., tuple[torch.Tensor, Any]]:
@@ -227,7 +226,7 @@ def grad_and_aux(fn: Callable[..., tuple[torch.Tensor, Any]], params: Any, *args
         RuntimeError: Inside a torch.func transform, if the loss reaches an `autograd.Function`
             without `setup_context`, naming what to do.
     """
-    if not (torch.compiler.is_compiling() or _inside_transform() or _needs_transform(args)):
+    if not (torch.compiler.is_compiling() or _inside_transform() or _requires_grad(args)):
         return _with_autograd(fn, params, *args)
     try:
         differentiated = _viewing_params(fn) if torch.compiler.is_compiling() else fn

@@ -15,7 +15,6 @@ import itertools
 import weakref
 from collections.abc import Iterable
 from collections.abc import Mapping
-from typing import Any
 from typing import TypeVar
 
 import torch
@@ -29,6 +28,12 @@ from fmp._scaler import unscale_and_adjust
 from fmp._tree import _ROW_LENGTH
 from fmp._tree import check_finite_flag
 from fmp.interop._accumulation import Accumulation
+from fmp.interop._buffer_layout import check_param
+from fmp.interop._buffer_layout import check_skips_on_device
+from fmp.interop._buffer_layout import describe
+from fmp.interop._buffer_layout import name_and_param
+from fmp.interop._buffer_layout import padded
+from fmp.interop._buffer_layout import view_like
 
 __all__ = ["GradientBuffer"]
 
@@ -48,85 +53,6 @@ _OWNERS: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[GradientBuffer]]
 def _owner(param: torch.Tensor) -> GradientBuffer | None:
     entry = _OWNERS.get(id(param))
     return entry[1]() if entry is not None and entry[0]() is param else None
-
-
-def _describe(index: int, param: torch.Tensor, name: str | None) -> str:
-    named = f"{name!r}, " if name is not None else ""
-    return f"params[{index}] ({named}shape {tuple(param.shape)}, {param.dtype})"
-
-
-def _named(entry: Any) -> tuple[str | None, Any]:
-    """An entry of `attach`'s params as `(name, param)`: a `(name, tensor)` pair, or a tensor (name None)."""
-    if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str):
-        return entry[0], entry[1]
-    return None, entry
-
-
-def _check_param(index: int, param: Any, name: str | None, first_index: dict[int, int]) -> torch.Tensor:
-    if not isinstance(param, torch.Tensor):
-        raise TypeError(f"params[{index}] is a {type(param).__name__}, not a tensor (nor a (name, tensor) pair)")
-    where = _describe(index, param, name)
-    if type(param) not in (torch.Tensor, torch.nn.Parameter):
-        raise TypeError(f"{where} is a {type(param).__name__}: a flat buffer holds plain tensors' gradients only")
-    if param.layout != torch.strided:
-        raise ValueError(f"{where} has layout {param.layout}: only dense (strided) gradients fit a flat buffer")
-    if not param.requires_grad:
-        raise ValueError(
-            f"{where} does not require grad, so backward would never write its .grad; attach the trainable "
-            f"ones only: (p for p in model.parameters() if p.requires_grad)"
-        )
-    if not param.is_leaf:
-        raise ValueError(f"{where} is not a leaf tensor: autograd accumulates .grad into leaves only")
-    if param.grad is not None and param.grad.layout != torch.strided:
-        raise ValueError(f"{where} has a {param.grad.layout} gradient: only dense gradients fit a flat buffer")
-    if id(param) in first_index:
-        raise ValueError(f"{where} is listed twice, as params[{first_index[id(param)]}] and params[{index}]")
-    first_index[id(param)] = index
-    return param
-
-
-def _padded(numel: int, multiple: int) -> int:
-    return -(-numel // multiple) * multiple
-
-
-def _is_non_overlapping_and_dense(x: torch.Tensor) -> bool:
-    """Whether `x`'s elements fill a block of memory exactly once, in some order of its dimensions."""
-    expected = 1
-    for size, stride in sorted((s, t) for s, t in zip(x.shape, x.stride(), strict=True) if s != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _view_like(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
-    """`param.numel()` elements of `buffer` from `offset`, shaped as `param`, strided as autograd would.
-
-    autograd's layout contract: a non-overlapping and dense parameter's gradient has its strides (a
-    transposed or channels-last weight), which fused optimizers also expect of their state; any
-    other parameter's gradient is contiguous.
-    """
-    if param.numel() > 0 and _is_non_overlapping_and_dense(param):
-        return buffer.as_strided(param.shape, param.stride(), buffer.storage_offset() + offset)
-    return buffer[offset : offset + param.numel()].view(param.shape)
-
-
-def _check_skips_on_device(optimizer: Any) -> None:
-    """Raises a TypeError unless `optimizer` leaves everything unchanged on a step with `found_inf` 1."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    name = type(optimizer).__name__
-    if not getattr(optimizer, "_step_supports_amp_scaling", False):
-        raise TypeError(
-            f"{name} cannot skip a step on the device: only torch optimizers built with fused=True "
-            "(Adam, AdamW, Adagrad, SGD) read found_inf; the others would apply an overflowed step. "
-            "Build it with fused=True, or use fmp.optim with fmp.train_step"
-        )
-    if isinstance(optimizer, torch.optim.SGD) and any(group["momentum"] != 0 for group in optimizer.param_groups):
-        raise TypeError(
-            "fused SGD with momentum cannot skip its first step: torch's _fused_sgd leaves the momentum "
-            "buffers uninitialized when found_inf is 1 then; use fused AdamW, or fmp.optim.sgd with fmp.train_step"
-        )
 
 
 class GradientBuffer:
@@ -210,8 +136,8 @@ class GradientBuffer:
         check_bool("compiled", compiled)
         first_index: dict[int, int] = {}
         # A dict by name (dict(model.named_parameters())) iterates over its keys: take its items.
-        named = [_named(entry) for entry in (params.items() if isinstance(params, Mapping) else params)]
-        checked = [_check_param(i, p, name, first_index) for i, (name, p) in enumerate(named)]
+        named = [name_and_param(entry) for entry in (params.items() if isinstance(params, Mapping) else params)]
+        checked = [check_param(i, p, name, first_index) for i, (name, p) in enumerate(named)]
         names = tuple(name for name, _ in named)
         if not checked:
             raise ValueError("params is empty: there are no gradients to keep in a buffer")
@@ -226,13 +152,13 @@ class GradientBuffer:
         with torch.no_grad():  # copying a gradient in must not record autograd history
             for dtype, members in groups.items():
                 alignment = max(1, _ALIGNMENT_BYTES // checked[members[0]].element_size())
-                lengths = [_padded(checked[i].numel(), alignment) for i in members]
+                lengths = [padded(checked[i].numel(), alignment) for i in members]
                 # A whole number of rows, so a compiled GPU finite check reads the buffer row by
                 # row in the pass that unscales it (see fmp._tree.all_finite).
-                buffer = torch.zeros(_padded(sum(lengths), _ROW_LENGTH), device=checked[0].device, dtype=dtype)
+                buffer = torch.zeros(padded(sum(lengths), _ROW_LENGTH), device=checked[0].device, dtype=dtype)
                 offsets = itertools.accumulate(lengths, initial=0)
                 for i, offset in zip(members, offsets, strict=False):  # one offset more than members
-                    view = _view_like(buffer, offset, checked[i])
+                    view = view_like(buffer, offset, checked[i])
                     existing = checked[i].grad
                     if existing is not None:
                         view.copy_(existing)
@@ -259,7 +185,7 @@ class GradientBuffer:
         ):
             if param.grad is view and view.data_ptr() == pointer:
                 continue
-            where = _describe(index, param, self._names[index])
+            where = describe(index, param, self._names[index])
             if param.grad is None:
                 raise RuntimeError(
                     f"{where} has .grad None, so its gradient is no longer in the buffer: zero gradients "
@@ -455,7 +381,7 @@ class GradientBuffer:
         # With no scaling (NoOpLossScale) a plain backward's gradients are the right ones.
         if index is not None and not isinstance(scaler, NoOpLossScale):
             check_scaler(scaler)  # a wrong scaler is named as such, not as an unscaled backward
-            where = _describe(index, self._params[index], self._names[index])
+            where = describe(index, self._params[index], self._names[index])
             raise RuntimeError(
                 f"{where} received a gradient from a backward that did not start at a loss this buffer scaled: "
                 "loss.backward() where grads.scale(loss, scaler).backward() belongs. Unscaling would divide that "
@@ -522,7 +448,7 @@ class GradientBuffer:
                 parameter whose gradient no buffer holds, or another buffer holds that has not
                 been unscaled since its last backward.
         """
-        _check_skips_on_device(optimizer)
+        check_skips_on_device(optimizer)
         check_finite_flag(grads_finite)
         self._check_owns(optimizer)
         optimizer.found_inf = (~grads_finite).float()  # type: ignore[attr-defined]
