@@ -80,9 +80,10 @@ def _warn_reads_outside_params() -> bool:
     warnings.warn(
         "loss_fn's loss reaches tensors outside params that require grad, which the compiled step does not "
         "update: a module called as model(x) instead of torch.func.functional_call(model, params, (x,)), or "
-        "frozen weights that still require grad (call requires_grad_(False) on them). A learned tensor the loss "
-        "captures on purpose (a meta-gradient) gets its gradient as eager: then filter this warning. Eager, "
-        "the step names the nn.Parameters it reads",
+        "frozen weights that still require grad (call requires_grad_(False) on them). A meta-gradient (a learned "
+        "tensor the loss captures on purpose, or a torch.func transform compiled around the step that "
+        "differentiates through it) is computed as eager: then filter this warning. Eager, the step names the "
+        "nn.Parameters it reads",
         UserWarning,
         stacklevel=2,
     )
@@ -103,9 +104,10 @@ def check_reads_no_module_parameters(loss: Any, args: Any) -> None:
     caller passed in `args` passes, `nn.Parameter`s included: a meta-gradient with plain autograd
     through an input that requires grad (a learned hyperparameter, or a tensor computed from one).
     Compiled, autograd's graph cannot be read while the step is traced, but whether the loss
-    requires grad outside the differentiation can: where it does and no argument requires grad,
-    the step warns once, as it compiles, since it cannot tell a module's parameters from a
-    learned tensor the loss captures on purpose.
+    requires grad outside the differentiation can: where it does and no argument does, the step
+    warns once, as it compiles. It cannot tell a module's parameters from a learned tensor the
+    loss captures on purpose, nor from a `torch.func` transform compiled around the step that
+    differentiates through it (a meta-gradient through the step); the warning says so.
 
     Args:
         loss: The loss (a tensor or a pytree of them).

@@ -167,11 +167,20 @@ def test_a_checkpoint_written_twice_into_one_file_or_behind_its_end_record_is_re
     save(state, path)
     data = path.read_bytes()
     assert_trees_bitwise_equal(load(path, state), state)
-    end_record = data[data.rindex(b"PK\x05\x06") :]
+    end = data.rindex(b"PK\x05\x06")
+    end_record, locator = data[end:], data[end - 20 : end]
+    # An end record whose comment runs past the file (its last byte cut off, as zip readers take it).
+    comment_cut = end_record[:20] + (1).to_bytes(2, "little")
+    # A fake locator and end record whose comment covers the real records: a locator pointing
+    # past the file must be named, not sought.
+    far = locator[:8] + (2**64 - 1).to_bytes(8, "little") + locator[16:]
+    fake_end = b"PK\x05\x06" + bytes(16) + (len(locator) + len(comment_cut)).to_bytes(2, "little")
     cases = {
         "twice.pt": (data + data, f"{len(data)} bytes precede its zip archive"),
         "end.pt": (data + end_record, "its central directory does not end where its end records begin"),
         "tail.pt": (data + b"\0" * 5, "5 bytes follow the end of its zip archive"),
+        "cut.pt": (data[:end] + comment_cut, "the file ends inside its zip archive's end record"),
+        "far.pt": (data + far + fake_end + locator + comment_cut, "its zip64 end record lies outside the file"),
     }
     for name, (content, cause) in cases.items():
         (tmp_path / name).write_bytes(content)

@@ -46,7 +46,9 @@ def bytes_outside_archive(file: BinaryIO) -> str | None:
     closing = [start for start, end in ends if end == len(tail)]
     if not closing:
         inside = [end for _, end in ends if end < len(tail)]
-        return f"{len(tail) - inside[0]} bytes follow the end of its zip archive" if inside else None
+        if inside:
+            return f"{len(tail) - inside[0]} bytes follow the end of its zip archive"
+        return "the file ends inside its zip archive's end record" if ends else None
     end_record = tail_start + closing[0]
     locator = b""
     if end_record >= _ZIP64_LOCATOR:
@@ -55,6 +57,8 @@ def bytes_outside_archive(file: BinaryIO) -> str | None:
     if locator.startswith(_ZIP64_LOCATOR_SIGNATURE):
         # The zip64 end record, where the locator says it starts; it ends where the locator begins.
         claimed_start = _number(locator, 8, 8)
+        if claimed_start > end_record - _ZIP64_LOCATOR - _ZIP64_END_RECORD:
+            return "its zip64 end record lies outside the file"
         file.seek(claimed_start)
         record = file.read(_ZIP64_END_RECORD)
         records_start = end_record - _ZIP64_LOCATOR - (12 + _number(record, 4, 8))
