@@ -123,3 +123,20 @@ def test_snippet_runs(snippet: str, monkeypatch: pytest.MonkeyPatch, tmp_path: P
         # A GradientBuffer compiles its unscale lazily and keeps it: drop the one made while
         # torch.compile was patched out, or later tests in this process would get it uncompiled.
         fmp._scaler._compiled.cache_clear()
+
+
+FOLDERS = sorted(
+    [path.parent for path in (ROOT / "fmp").glob("*/__init__.py")]
+    + [ROOT / "fmp", ROOT / "benchmarks", ROOT / "examples", ROOT / "tests"],
+)
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=lambda folder: str(folder.relative_to(ROOT)))
+def test_every_folder_has_a_readme_that_names_what_it_holds(folder: Path) -> None:
+    # A newcomer finds a concern by its folder: its README names every module, script and subfolder,
+    # so a file added without a line there fails here. Test files are named by their concern, not listed.
+    readme = (folder / "README.md").read_text()
+    held = [path.name for path in folder.glob("*.py") if path.name != "__init__.py" and not path.name.startswith("test_")]
+    held += [f"{path.name}/" for path in folder.iterdir() if path.is_dir() and not path.name.startswith((".", "_"))]
+    missing = [name for name in held if f"`{name}`" not in readme and f"`{name.removesuffix('/')}/" not in readme]
+    assert not missing, f"{folder.relative_to(ROOT)}/README.md does not name {missing}"
