@@ -345,43 +345,6 @@ def scenario_failures(rank: int, world: int) -> dict[str, Any]:
     return results
 
 
-def raising_step(rank: int, world: int, kind: str) -> dict[str, Any]:
-    """Rank 1's loss function raises in the second step (a batch of the wrong width), of one kind of state."""
-    loss_fn: Callable[..., Any] = mlp_loss
-    if kind == "two losses":
-        state, loss_fn = make_state(scalers=2), two_losses
-    elif kind == "fp8":
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-        recipes = {torch.nn.Linear: fmp.fp8.delayed(history_len=4)}
-        params = {name: p.detach() for name, p in model.named_parameters()}
-        fp8 = fmp.fp8.init_states(model, recipes)
-        state = fmp.TrainState.create(params, fmp.optim.adamw(1e-2), fmp.DynamicLossScale.create(), fp8=fp8)
-        loss_fn = fmp.fp8.fp8_modules(
-            lambda p, x, y: F.mse_loss(torch.func.functional_call(model, p, (x,)).float(), y.float()), model, recipes
-        )
-    else:
-        state = make_state()
-    step = functools.partial(fmp.distributed.train_step, loss_fn, policy=F32, optimizer=fmp.optim.adamw(1e-2))
-    batches = global_batches(world, poison=None)
-    state, _ = step(state, *shard(batches[0], rank))
-    x, y = shard(batches[1], rank)
-    if rank == 1:
-        x = x[:, :3]
-    start, result = time.monotonic(), {"before": state}
-    try:
-        result["after"], result["info"] = step(state, x, y)
-    except (RuntimeError, ValueError) as error:
-        result["error"], result["notes"] = f"{type(error).__name__}: {error}", getattr(error, "__notes__", [])
-    result["seconds"] = time.monotonic() - start
-    return result
-
-
-def scenario_raises(rank: int, world: int) -> dict[str, Any]:
-    """The raising step for each kind of state, one after another on one group (every step one all-reduce)."""
-    return {kind: raising_step(rank, world, kind) for kind in ("one loss", "two losses", "fp8")}
-
-
 def compiled_run(rank: int, world: int, compiled: bool) -> fmp.TrainState:
     """Four steps, the second skipped (an inf in rank 1's batch), donated when compiled."""
     policy, optimizer = fmp.get_policy("p=f32,r=bf16"), fmp.optim.sgd(0.05, momentum=0.9)

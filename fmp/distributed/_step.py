@@ -11,8 +11,6 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from fmp._delayed_scaling import is_delayed_state
-from fmp._grad import Gradients
 from fmp._grad import LossFn
 from fmp._loss_scale import LossScale
 from fmp._loss_scale import NoOpLossScale
@@ -28,7 +26,6 @@ from fmp._step import StepInfo
 from fmp._step import train_step as local_train_step
 from fmp._tree import all_finite
 from fmp._tree import check_gradient_leaves
-from fmp._tree import tree_accelerator_device
 from fmp._tree import tree_device
 from fmp.distributed._reduce import Collectives
 from fmp.distributed._reduce import agree_finite
@@ -86,9 +83,7 @@ def train_step(
         then meets the others' with other sizes (a hang or a gloo/NCCL error); call
         `check_replicas` after changing a model.
         A rank that dies or stalls makes the others fail after the process group's timeout
-        (`init_process_group(timeout=...)`). Eager, a rank whose step raises before its
-        all-reduce (a bad batch, an error in `loss_fn`) still joins it, with every flag False: the
-        others skip that step at once, as for an overflow, and the error goes on, noted.
+        (`init_process_group(timeout=...)`).
 
     Args:
         loss_fn: As `fmp.train_step`.
@@ -124,8 +119,7 @@ def train_step(
         bucket_cap_mb=bucket_cap_mb,
         collectives=collectives,
     )
-    step = functools.partial(
-        local_train_step,
+    return local_train_step(
         loss_fn,
         state,
         *args,
@@ -133,47 +127,10 @@ def train_step(
         optimizer=optimizer,
         has_aux=has_aux,
         donate=donate,
+        reduce_grads=reduce,
         grad_norm=grad_norm,
         check_update=check_update,
     )
-    if torch.compiler.is_compiling():  # an error while tracing is every rank's
-        return step(reduce_grads=reduce)
-    reduced = False
-
-    def reduce_once(gradients: Gradients) -> Gradients:
-        nonlocal reduced
-        reduced = True
-        return reduce(gradients)
-
-    try:
-        return step(reduce_grads=reduce_once)
-    except Exception as error:
-        if reduced:  # the all-reduce ran (or failed itself): the peers wait for nothing more
-            raise
-        # The other ranks wait in this step's all-reduce: meet them there with a vote to skip,
-        # so they skip the step, as for an overflow, instead of waiting out the group's timeout.
-        reduce(_skip_vote(state))
-        error.add_note(
-            "fmp.distributed.train_step: the other ranks skipped this step, as for an overflow (their "
-            "scales backed off), while this rank's state stays the one it passed in: restart every "
-            "rank from one checkpoint rather than go on from here"
-        )
-        raise
-
-
-def _skip_vote(state: TrainState) -> Gradients:
-    """`Gradients` that take the all-reduce's place for a rank that failed: zeros, every flag False.
-
-    The layout matches what the peers send (the params' gradients, one flag per loss, an amax
-    triple per FP8 state), so the collective meets theirs; the False flags skip the step for all.
-    """
-    device = tree_accelerator_device(state.params) or torch.device("cpu")
-    grads = pytree.tree_map(torch.zeros_like, state.params)
-    skip = torch.zeros((), dtype=torch.bool, device=device)
-    per_loss = tuple(skip for _ in state.scaler) if isinstance(state.scaler, tuple) else skip
-    states = pytree.tree_leaves(state.fp8, is_leaf=is_delayed_state)
-    amaxes = [torch.zeros(3, device=device) for _ in states] if states else ()
-    return Gradients(grads, skip, None, (), per_loss, amaxes)
 
 
 def _check_local(grads: Any) -> None:
