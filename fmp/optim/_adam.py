@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 from typing import NamedTuple
@@ -67,10 +68,19 @@ def _like(real: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def _operand(number: float, on_cpu: bool) -> float | torch.Tensor:
     """`number` as the multi-tensor kernels' operand for float32 leaves: a 0-dim float32 tensor on a CPU.
 
-    The CPU kernels wrap a number in a new tensor for each leaf (~1 µs apiece); a float32 tensor
-    of it, made once, is the same operand (a number meets float32 leaves in float32), so the same bits.
+    The CPU kernels wrap a number in a new tensor for each leaf; a float32 tensor of it is the
+    same operand (a number meets float32 leaves in float32), so the same bits. It is made once per
+    number (an optimizer's betas, eps and decay are constants), as making it costs more than the
+    kernels' own wrapping saves; the kernels only read it.
     """
-    return torch.tensor(number, dtype=torch.float32) if on_cpu else number
+    # Keyed by the bits, as 0.0 == -0.0: the operand is the number given, to the sign of a zero.
+    return _cpu_scalar(float(number).hex()) if on_cpu else number
+
+
+@functools.lru_cache(maxsize=64)
+def _cpu_scalar(bits: str) -> torch.Tensor:
+    with torch.inference_mode(False):  # a normal tensor, whatever mode the first step runs in
+        return torch.tensor(float.fromhex(bits), dtype=torch.float32, device="cpu")
 
 
 def _check_eps_in_param_dtypes(name: str, eps: float, params: Any, leaves: list[Any]) -> None:
