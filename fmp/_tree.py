@@ -188,18 +188,18 @@ def takes_foreach(leaves: list[Any], device: torch.device) -> bool:
     if torch.compiler.is_compiling() or torch._C._functorch.get_interpreter_stack() or not leaves:
         return False
     inference_mode = torch.is_inference_mode_enabled()
-    plain = all(
-        type(x) is torch.Tensor
-        and x.dtype == torch.float32
-        and x.is_contiguous()
-        and not x.requires_grad
-        and (inference_mode or not x.is_inference())
-        for x in leaves
-    )
-    # `is_cpu` on a CPU: a property read, where `.device` builds a device object per leaf.
-    if device.type == "cpu":
-        return plain and all(x.is_cpu for x in leaves)
-    return plain and all(x.device == device for x in leaves)
+    on_cpu = device.type == "cpu"
+    tensor, float32 = torch.Tensor, torch.float32
+    # One loop, each leaf's properties read once: an eager step asks this of every leaf of its state.
+    for x in leaves:
+        if type(x) is not tensor or x.dtype != float32 or x.requires_grad or not x.is_contiguous():
+            return False
+        if not inference_mode and x.is_inference():
+            return False
+        # `is_cpu` on a CPU: a property read, where `.device` builds a device object per leaf.
+        if (not x.is_cpu) if on_cpu else (x.device != device):
+            return False
+    return True
 
 
 def clone_leaves(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
