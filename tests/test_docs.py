@@ -136,7 +136,7 @@ def test_every_folder_has_a_readme_that_names_what_it_holds(folder: Path) -> Non
     # A newcomer finds a concern by its folder: its README names every module, script and subfolder,
     # so a file added without a line there fails here. Test files are named by their concern, not listed.
     readme = (folder / "README.md").read_text()
-    held = [path.name for path in folder.glob("*.py") if path.name != "__init__.py" and not path.name.startswith("test_")]
+    held = [path.name for path in folder.glob("*.py") if not path.name.startswith(("__init__", "test_"))]
     held += [f"{path.name}/" for path in folder.iterdir() if path.is_dir() and not path.name.startswith((".", "_"))]
-    missing = [name for name in held if f"`{name}`" not in readme and f"`{name.removesuffix('/')}/" not in readme]
+    missing = [name for name in held if f"`{name}`" not in readme]
     assert not missing, f"{folder.relative_to(ROOT)}/README.md does not name {missing}"
