@@ -4,8 +4,8 @@ The core lives here: precision policies, loss-scale states, the training step an
 gradient accumulation, compiling a step (`fmp.compile`), and tree utilities. Each other concern
 has a subpackage: `fmp.autocast` (op-level autocast), `fmp.optim` (pure optimizers), `fmp.nn`
 (modules as pure state), `fmp.remat` (activation checkpointing), `fmp.debug` (locating
-overflows), `fmp.interop` (`torch.nn`/`torch.optim` loops), `fmp.serialization` (saving states)
-and `fmp.distributed` (data parallel, imported on its own).
+overflows), `fmp.interop` (`torch.nn`/`torch.optim` loops), `fmp.serialization` (saving states),
+and, each imported on its own, `fmp.fp8` (FP8 recipes) and `fmp.distributed` (data parallel).
 """
 
 from fmp import autocast

@@ -1,6 +1,6 @@
 """Op-level autocast as a function transform: torch.autocast's precision rules, pure and composable.
 
-`autocast(fn, policy_or_dtype)` runs `fn` with each listed op's floating inputs cast by its rule;
+`autocast(fn, dtype, rules=..., overrides=...)` runs `fn` with each listed op's floating inputs cast by its rule;
 `fixed_dtype` and `no_autocast` are torch.amp's `custom_fwd` and `autocast(enabled=False)` as
 transforms; `module_policies` gives chosen submodules a policy of their own. The rule sets are
 plain data (`CUDA`, `CPU`, keyed by op name, each mapping to a `Cast`), in `RULE_SETS` by name.

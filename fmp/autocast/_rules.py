@@ -17,7 +17,7 @@ every rule set, so the sets leave such names out: `x.square()` follows "pow",
 and where torch's path depends on the arguments, tensordot follows "mm" ("dot" when fully
 contracted), `F.pad(x, (1, 1, 1, 1), mode="reflect")` "reflection_pad2d", and einsum, where a set
 does not list it (the CPU set; torch casts it whole on CUDA), "bmm" when it sums an index over two
-operands (the routes in fmp/autocast_paths.py); on CPU tensors such an einsum runs under
+operands (the routes in fmp/autocast/_paths.py); on CPU tensors such an einsum runs under
 torch.autocast("cpu") itself, which casts at each bmm its contraction order reaches and not at a
 final mul (an outer product, a contracted index of size 1). Each set also lists the RNN
 ops that torch splits up in C++ into listed ones (LSTM into mkldnn_rnn_layer or cuDNN's autocast

@@ -3,7 +3,7 @@
 Each recipe says, for a matmul operand of a given role contracted along a given dim, which blocks
 share a scale, in which FP8 dtype, and how a block's amax becomes its scale. A recipe is
 configuration only (frozen, hashable, so `torch.compile` takes it as a constant); it holds no
-tensors. Delayed scaling, whose scales come from a state, is in `_delayed.py`.
+tensors. Delayed scaling, whose scales come from a state, is in `fmp/_delayed_scaling.py`.
 """
 
 from __future__ import annotations

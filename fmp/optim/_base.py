@@ -1,4 +1,4 @@
-"""The optimizer interface: a pair of pure functions, `init` and `update`, and learning-rate schedules."""
+"""What the optimizers share: learning rates and schedules, and checks of the trees an update takes."""
 
 from __future__ import annotations
 
