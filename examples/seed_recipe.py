@@ -9,7 +9,8 @@ loop (`torch.nn`, `torch.autocast`, a backward of `grads.scale(loss, scaler)`) w
 which follows torch.amp bit for bit without a host sync.
 Every run starts from the same weights and sees the same batches; each is warmed up on one batch
 first (fmp's compile happens there), so the times compare steady-state training. The runs take
-turns three times and each keeps its fastest, so a slow moment of the machine hits none alone.
+turns four times, each round in another order, and each keeps its fastest, so neither a slow
+moment of the machine nor a place in the order favours one.
 
     python examples/seed_recipe.py [--width 512 --batch 256 --compile]
 """
@@ -28,6 +29,7 @@ import fmp
 
 Data = list[tuple[torch.Tensor, torch.Tensor]]
 History = list[tuple[float, float]]  # (last loss, loss scale) per epoch
+ROUNDS = 4  # every run in each place of the order once
 
 
 def make_model(width: int, layers: int) -> nn.Sequential:
@@ -154,10 +156,13 @@ def main() -> None:
     histories = {}
     for run in runs.values():
         run(data[:1], 1)  # warm-up
-    for _ in range(3):
-        for name, run in runs.items():
+    names = list(runs)
+    for turn in range(ROUNDS):
+        # Each round in another order: a run's place in the round moves its time (what ran before it
+        # left the caches and the allocator), so no run keeps one place.
+        for name in names[turn % len(names) :] + names[: turn % len(names)]:
             start = time.perf_counter()
-            histories[name] = run(data, args.epochs)
+            histories[name] = runs[name](data, args.epochs)
             seconds[name] = min(seconds[name], time.perf_counter() - start)
     for name, history in histories.items():
         for epoch, (loss, scale) in enumerate(history, 1):
