@@ -33,7 +33,7 @@ import fmp._pytree as pytree
 from fmp._donation import storage_use_count
 from fmp._tree import functorch_base
 
-__all__ = ["Differentiated", "check_reads_no_module_parameters", "grad_and_aux", "tracked_leaves"]
+__all__ = ["Differentiated", "check_reads_no_module_parameters", "grad_and_aux", "tracked_leaves", "warn_while_tracing"]
 
 _SETUP_CONTEXT_ERROR = "must override the setup_context staticmethod"
 
@@ -76,24 +76,22 @@ def _module_parameters(tensors: Sequence[torch.Tensor]) -> list[torch.nn.Paramet
     return [x for x in tracked_leaves(tensors) if isinstance(x, torch.nn.Parameter)]
 
 
-def _warn_reads_outside_params() -> bool:
-    warnings.warn(
-        "loss_fn's loss reaches tensors outside params that require grad, which the compiled step does not "
-        "update: a module called as model(x) instead of torch.func.functional_call(model, params, (x,)), or "
-        "frozen weights that still require grad (call requires_grad_(False) on them). A meta-gradient (a learned "
-        "tensor the loss captures on purpose, or a torch.func transform compiled around the step that "
-        "differentiates through it) is computed as eager: then filter this warning. Eager, the step names the "
-        "nn.Parameters it reads",
-        UserWarning,
-        stacklevel=2,
-    )
+def _warn(message: str) -> bool:
+    warnings.warn(message, UserWarning, stacklevel=3)
     return True
 
 
 # Dynamo calls a function of constant result once, while it traces: the warning comes when the step
 # compiles, where `warnings.warn` itself cannot be traced.
-_warn_reads_outside_params_while_tracing: Callable[[], bool] = torch.compiler.assume_constant_result(  # type: ignore[no-untyped-call]
-    _warn_reads_outside_params
+warn_while_tracing: Callable[[str], bool] = torch.compiler.assume_constant_result(_warn)  # type: ignore[no-untyped-call]
+
+_READS_OUTSIDE_PARAMS = (
+    "loss_fn's loss reaches tensors outside params that require grad, which the compiled step does not "
+    "update: a module called as model(x) instead of torch.func.functional_call(model, params, (x,)), or "
+    "frozen weights that still require grad (call requires_grad_(False) on them). A meta-gradient (a learned "
+    "tensor the loss captures on purpose, or a torch.func transform compiled around the step that "
+    "differentiates through it) is computed as eager: then filter this warning. Eager, the step names the "
+    "nn.Parameters it reads"
 )
 
 
@@ -118,7 +116,7 @@ def check_reads_no_module_parameters(loss: Any, args: Any) -> None:
     """
     if torch.compiler.is_compiling():
         if _requires_grad(loss) and not _requires_grad(args):
-            _warn_reads_outside_params_while_tracing()
+            warn_while_tracing(_READS_OUTSIDE_PARAMS)
         return
     tracked = [functorch_base(x) for x in pytree.tree_leaves(loss) if isinstance(x, torch.Tensor)]
     tracked = [x for x in tracked if x.requires_grad]

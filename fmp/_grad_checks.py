@@ -7,7 +7,6 @@ value on the host. Key paths are built only for an error message.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,6 +14,7 @@ import torch.utils._pytree as py_pytree
 
 import fmp._pytree as pytree
 from fmp._backward import check_reads_no_module_parameters
+from fmp._backward import warn_while_tracing
 from fmp._checks import check_bool
 from fmp._checks import check_callable
 from fmp._policy import Policy
@@ -133,20 +133,12 @@ def check_losses(out: Any, scaler: ScalerTree) -> Any:
     return tuple(_check_loss(loss, f"loss_fn's loss[{index}] must be") for index, loss in enumerate(out))
 
 
-def _warn(which: str) -> bool:
-    warnings.warn(
+def _no_dependence(which: str) -> str:
+    return (
         f"loss_fn's {which} does not depend on params, so its gradients are all zero (weight decay and "
         f"momentum still move the params): was it detached, computed under torch.no_grad or rebuilt from "
-        f".item(), or the model called as model(x) instead of torch.func.functional_call(model, params, (x,))?",
-        UserWarning,
-        stacklevel=3,
+        f".item(), or the model called as model(x) instead of torch.func.functional_call(model, params, (x,))?"
     )
-    return True
-
-
-# Dynamo calls a function of constant result once, while it traces: the warning comes when the step
-# compiles, where `warnings.warn` itself cannot be traced.
-_warn_while_tracing: Callable[[str], bool] = torch.compiler.assume_constant_result(_warn)  # type: ignore[no-untyped-call]
 
 
 def warn_unless_depends_on_params(loss: torch.Tensor, which: str, params: Any, args: Any) -> None:
@@ -163,10 +155,10 @@ def warn_unless_depends_on_params(loss: torch.Tensor, which: str, params: Any, a
     if loss.requires_grad or not pytree.tree_leaves(params):
         return
     if torch.compiler.is_compiling():
-        _warn_while_tracing(which)
+        warn_while_tracing(_no_dependence(which))
         return
     check_reads_no_module_parameters(loss, args)
-    _warn(which)
+    warnings.warn(_no_dependence(which), UserWarning, stacklevel=2)
 
 
 def check_aux(aux: Any) -> None:

@@ -48,7 +48,7 @@ def padded(numel: int, multiple: int) -> int:
     return -(-numel // multiple) * multiple
 
 
-def is_non_overlapping_and_dense(x: torch.Tensor) -> bool:
+def _is_non_overlapping_and_dense(x: torch.Tensor) -> bool:
     """Whether `x`'s elements fill a block of memory exactly once, in some order of its dimensions."""
     expected = 1
     for size, stride in sorted((s, t) for s, t in zip(x.shape, x.stride(), strict=True) if s != 1):
@@ -65,7 +65,7 @@ def view_like(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.T
     transposed or channels-last weight), which fused optimizers also expect of their state; any
     other parameter's gradient is contiguous.
     """
-    if param.numel() > 0 and is_non_overlapping_and_dense(param):
+    if param.numel() > 0 and _is_non_overlapping_and_dense(param):
         return buffer.as_strided(param.shape, param.stride(), buffer.storage_offset() + offset)
     return buffer[offset : offset + param.numel()].view(param.shape)
 
