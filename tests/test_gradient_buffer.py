@@ -97,6 +97,24 @@ def test_a_dense_parameter_keeps_its_strides_and_its_gradient() -> None:
     assert torch.equal(weight.grad, twin.grad)
 
 
+@given(
+    st.lists(st.integers(2, 5), min_size=2, max_size=4).flatmap(
+        lambda sizes: st.tuples(st.just(sizes), st.permutations(range(len(sizes))))
+    )
+)
+def test_a_permuted_parameters_gradient_is_strided_as_autograd_strides_it(case: tuple[list[int], list[int]]) -> None:
+    """Whatever order its dimensions lie in memory (transposed, channels-last), the view's strides are autograd's."""
+    sizes, order = case
+    weight = nn.Parameter(torch.randn(sizes).permute(order))
+    twin = nn.Parameter(weight.detach().clone())
+    fmp.interop.GradientBuffer.attach([weight])
+    (weight * 3.0).sum().backward()
+    (twin * 3.0).sum().backward()
+    assert weight.grad is not None and twin.grad is not None
+    assert weight.grad.stride() == twin.grad.stride() == weight.stride()
+    assert torch.equal(weight.grad, twin.grad)
+
+
 def test_zero_grad_to_none_is_named_and_zero__reattaches() -> None:
     model = make_model()
     buffer = fmp.interop.GradientBuffer.attach(model.parameters())

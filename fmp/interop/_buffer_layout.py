@@ -51,7 +51,8 @@ def padded(numel: int, multiple: int) -> int:
 def _is_non_overlapping_and_dense(x: torch.Tensor) -> bool:
     """Whether `x`'s elements fill a block of memory exactly once, in some order of its dimensions."""
     expected = 1
-    for size, stride in sorted((s, t) for s, t in zip(x.shape, x.stride(), strict=True) if s != 1):
+    # Innermost first: the dimension of stride 1 must come first, whatever its size.
+    for stride, size in sorted((t, s) for s, t in zip(x.shape, x.stride(), strict=True) if s != 1):
         if stride != expected:
             return False
         expected *= size
