@@ -30,13 +30,12 @@ rounds show what a step costs on its own):
   fmp compiled            fmp.train_step compiled whole by fmp.compile, the device's rules
   fmp donated             the same with donate=True (the update is written into the old buffers)
   fmp donated, torch.compile
-                          the same compiled by torch.compile(fullgraph=True): the same kernels,
-                          with Dynamo's guards on the identity of what the trace reached through
-                          fmp's modules, which fmp.compile drops, and on a CPU with the graph's
-                          Python wrapper, which fmp.compile generates as C++ there (cpp_wrapper)
-  fmp donated, tuned      fmp donated compiled with options={"realize_reads_threshold": 1}: Inductor
-                          keeps every intermediate read more than once, as max pooling's argmax,
-                          which a whole-step graph would otherwise recompute in the backward pass
+                          the same compiled by torch.compile(fullgraph=True): Dynamo's guards on
+                          the identity of what the trace reached through fmp's modules, which
+                          fmp.compile drops; on a CPU the graph's Python wrapper, which
+                          fmp.compile generates as C++ there (cpp_wrapper); and max pooling's
+                          argmax recomputed in the backward kernel, where fmp.compile's
+                          RealizePoolIndices pass has Inductor write it once
 
 The compute dtype is bfloat16 on a CPU and float16 on CUDA (torch.amp's usual GPU recipe, where
 loss scaling matters); --dtype overrides it. Compiled rows also print their first call's time
@@ -117,9 +116,6 @@ SIZES: dict[str, dict[str, tuple[dict[str, int], dict[str, int]]]] = {
     },
 }
 EAGER_REF, COMPILED_REF = "torch.amp eager", "torch.amp compiled"  # the rows ratios divide by
-# Inductor realizes every reused intermediate: in a whole-step graph it would otherwise recompute
-# some in the backward pass (max pooling's argmax), where torch.compile(model)'s forward saves them.
-TUNED = {"realize_reads_threshold": 1}
 FUSED_REF = "torch.amp eager, fused"  # CPU: the peer of fmp's fused optimizer (CUDA's eager row is fused)
 
 
@@ -165,10 +161,9 @@ def fmp_contender(
     *,
     mode: str | None,
     fused: bool = False,
-    options: dict[str, Any] | None = None,
 ) -> Contender:
     """fmp.train_step: `mode` None (eager), "compiled" or "donated" (donate=True) by fmp.compile, or "torch.compile"
-    (donated, by torch.compile(fullgraph=True)), with Inductor `options`."""
+    (donated, by torch.compile(fullgraph=True))."""
     device = next(model.parameters()).device
     params, buffers = fmp.nn.split(model)
 
@@ -184,9 +179,9 @@ def fmp_contender(
         fmp.train_step, loss_fn, policy=policy, optimizer=optimizer, donate=mode in ("donated", "torch.compile")
     )
     if mode == "torch.compile":
-        train_step = torch.compile(train_step, fullgraph=True, options=options)
+        train_step = torch.compile(train_step, fullgraph=True)
     elif mode is not None:
-        train_step = fmp.compile(train_step, options=options)
+        train_step = fmp.compile(train_step)
 
     def step(batch: Batch) -> torch.Tensor:
         nonlocal state
@@ -219,7 +214,6 @@ def build_contenders(model: nn.Module, device: torch.device, dtype: torch.dtype)
     contenders["fmp compiled"] = fmp_contender(fresh(), dtype, rules, mode="compiled")
     contenders["fmp donated"] = fmp_contender(fresh(), dtype, rules, mode="donated")
     contenders["fmp donated, torch.compile"] = fmp_contender(fresh(), dtype, rules, mode="torch.compile")
-    contenders["fmp donated, tuned"] = fmp_contender(fresh(), dtype, rules, mode="donated", options=TUNED)
     return contenders
 
 

@@ -29,6 +29,7 @@ from fmp._loss_scale import StaticLossScale
 from fmp._policy import Policy
 from fmp._policy import get_policy
 from fmp._policy import half_dtype
+from fmp._pool_indices import RealizePoolIndices
 from fmp._rounding import stochastic_round
 from fmp._scaler import Unscaled
 from fmp._scaler import unscale_and_adjust
@@ -61,6 +62,7 @@ __all__ = [
     "LossScaleStalledError",
     "NoOpLossScale",
     "Policy",
+    "RealizePoolIndices",
     "StaticLossScale",
     "StepCounts",
     "StepInfo",

@@ -11,9 +11,10 @@ modules hold (the ambient autocast regions, caches, constants), and on whatever 
 through any other module (the model's code, and torch as the model's modules name it).
 
 Each function it compiles also gets a code object of its own, so that its graphs and recompiles
-are counted apart from every other compiled function's; and on a machine without an accelerator
+are counted apart from every other compiled function's; on a machine without an accelerator
 Inductor generates the graph's wrapper as C++ (`cpp_wrapper`), which calls the same kernels with
-less overhead per call.
+less overhead per call; and Inductor writes max pooling's indices to memory where a whole-step
+graph would recompute them in the backward pass (`RealizePoolIndices`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from typing import overload
 
 import torch
 from torch._dynamo.types import GuardFilterEntry
+
+from fmp._pool_indices import RealizePoolIndices
 
 __all__ = ["compile", "trusted_guard"]
 
@@ -132,10 +135,13 @@ def compile(
 ) -> F | Callable[[F], F]:
     """`torch.compile(fn)` whose guards trust fmp's own code; whole-graph by default.
 
-    Takes what `torch.compile` takes and compiles the same graph; only the guards differ: those
+    Takes what `torch.compile` takes and traces the same graph. The guards differ: those
     that check that an object reached through fmp's modules (fmp's functions and classes, the torch
     functions they call) is the one traced are dropped (see `trusted_guard` and
-    [Performance and memory tuning](../how-to/performance-tuning.md)).
+    [Performance and memory tuning](../how-to/performance-tuning.md)). With the inductor backend,
+    one pass differs too: max pooling's indices are written once to memory, as `torch.compile(model)`'s
+    forward saves them for its backward, where a graph holding both passes would recompute each
+    window's argmax in the backward kernel.
     Every guard on the state, the batch, the model, the loss function and on values is kept, so a
     new batch shape, a changed model or a new policy still recompiles. Code that replaces one of
     fmp's functions (a test's monkeypatch) after the first call is not seen until
@@ -156,7 +162,8 @@ def compile(
         mode: As torch.compile's; with the inductor backend it is folded into `options` (torch.compile
             takes one or the other), with another backend it cannot be given.
         options: As torch.compile's. A `guard_filter_fn` in them also runs: a guard stays where both
-            keep it. The dict is not modified.
+            keep it. A `post_grad_custom_post_pass` in them (or else in `torch._inductor.config`
+            as this is called) runs after fmp's own. The dict is not modified.
         **compile_kwargs: torch.compile's other keywords (`disable`, `recompile_limit`, ... as the
             installed torch has them), passed on.
 
@@ -204,6 +211,9 @@ def compile(
         # is generated as C++, the same kernels called with less overhead per step.
         merged.setdefault("cpp_wrapper", True)
     merged["guard_filter_fn"] = _keep_untrusted(merged.get("guard_filter_fn"))
+    if backend == "inductor":
+        theirs = merged.get("post_grad_custom_post_pass", torch._inductor.config.post_grad_custom_post_pass)
+        merged["post_grad_custom_post_pass"] = _after_pool_indices(theirs)
     target = fn if isinstance(fn, torch.nn.Module) else _own_frame(fn)
     compiled = torch.compile(
         target, fullgraph=fullgraph, dynamic=dynamic, backend=backend, options=merged, **compile_kwargs
@@ -226,6 +236,15 @@ def _own_frame(fn: Callable[..., Any]) -> Callable[..., Any]:
     # replace() makes a new code object (copy.deepcopy would return the same one).
     compiled_function.__code__ = compiled_function.__code__.replace()
     return functools.wraps(fn)(compiled_function)
+
+
+def _after_pool_indices(theirs: Any) -> list[Any]:
+    """Inductor's post-grad passes: fmp's `RealizePoolIndices`, then the caller's own (one, or a list)."""
+    if theirs is None:
+        return [RealizePoolIndices()]
+    if isinstance(theirs, (list, tuple)):
+        return [RealizePoolIndices(), *theirs]
+    return [RealizePoolIndices(), theirs]
 
 
 def _keep_untrusted(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import operator
 import re
 from collections.abc import Callable
 from collections.abc import Sequence
@@ -267,3 +268,87 @@ def test_inductor_compiles_the_donated_step_once_as_torch_compile_does() -> None
         assert_trees_bitwise_equal(ours, theirs)
         assert_trees_bitwise_equal(info, their_info)
     assert counter.frame_count == 1
+
+
+def test_fmps_pool_indices_pass_runs_before_the_callers_own_inductor_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def mine(graph: torch.fx.Graph) -> None:
+        pass
+
+    fmp.compile(step)
+    (ours,) = calls[-1]["options"]["post_grad_custom_post_pass"]
+    assert isinstance(ours, fmp.RealizePoolIndices)
+    options = {"post_grad_custom_post_pass": mine}
+    fmp.compile(step, options=options)
+    assert options == {"post_grad_custom_post_pass": mine}
+    assert [type(p) for p in calls[-1]["options"]["post_grad_custom_post_pass"]] == [fmp.RealizePoolIndices, type(mine)]
+    fmp.compile(step, options={"post_grad_custom_post_pass": [mine, mine]})
+    assert calls[-1]["options"]["post_grad_custom_post_pass"][1:] == [mine, mine]
+    with torch._inductor.config.patch(post_grad_custom_post_pass=mine):
+        fmp.compile(step)  # one set in Inductor's config runs too
+    assert calls[-1]["options"]["post_grad_custom_post_pass"][1:] == [mine]
+    fmp.compile(step, backend="eager")
+    assert "post_grad_custom_post_pass" not in calls[-1]["options"]
+
+
+class _Pools(nn.Module):
+    """Max pooling in each form Inductor lowers apart: decomposed, dilated (not decomposed) and adaptive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.head = nn.Linear(4 * 3 * 3 + 4 * 2 * 2 + 4 * 3 * 3, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        pooled = [
+            F.max_pool2d(h, 3, stride=2, padding=1),
+            F.max_pool2d(h, 2, stride=2, dilation=2),
+            F.adaptive_max_pool2d(h, 3),
+        ]
+        features = torch.cat([p.flatten(1) for p in pooled], dim=1)
+        return F.cross_entropy(self.head(features), y)
+
+
+@pytest.mark.compiled
+def test_max_pooling_indices_are_written_once_and_the_step_is_torch_compiles_bit_for_bit() -> None:
+    """Every reader of a pooling's indices reads them through a realized copy; values are unchanged."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Pools()
+    params, _ = fmp.nn.split(model)
+    graphs: list[torch.fx.Graph] = []
+
+    def record(graph: torch.fx.Graph) -> None:  # runs after fmp's pass
+        graphs.append(graph)
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return fmp.nn.call(model, params, {}, x, y)[0]
+
+    state = fmp.TrainState.create(params, ADAMW, fmp.DynamicLossScale.create())
+    partial = functools.partial(fmp.train_step, loss_fn, policy=POLICY, optimizer=ADAMW)
+    ours = fmp.compile(partial, options={"post_grad_custom_post_pass": record, "fx_graph_cache": False})
+    theirs = torch.compile(partial, fullgraph=True)
+    generator = torch.Generator().manual_seed(2)
+    x, y = torch.randn(2, 2, 6, 6, generator=generator), torch.randint(3, (2,), generator=generator)
+    ours_state, ours_info = ours(state, x, y)
+    theirs_state, theirs_info = theirs(state, x, y)
+    assert_trees_bitwise_equal(ours_state, theirs_state)
+    assert_trees_bitwise_equal(ours_info, theirs_info)
+    (graph,) = graphs
+    force = torch.ops.prims.inductor_force_stride_order.default
+    indices = [
+        node
+        for node in graph.nodes
+        if node.target is operator.getitem and node.args[1] == 1 and "pool" in str(node.args[0].target)
+    ]
+    assert len(indices) == 3
+    for node in indices:
+        assert [user.target for user in node.users] == [force]
+        (realized,) = node.users
+        assert realized.users, "the indices' readers read the realized copy"
