@@ -13,8 +13,8 @@ through any other module (the model's code, and torch as the model's modules nam
 Each function it compiles also gets a code object of its own, so that its graphs and recompiles
 are counted apart from every other compiled function's; on a machine without an accelerator
 Inductor generates the graph's wrapper as C++ (`cpp_wrapper`), which calls the same kernels with
-less overhead per call; and Inductor writes max pooling's indices to memory where a whole-step
-graph would recompute them in the backward pass (`RealizePoolIndices`).
+less overhead per call; and Inductor writes max pooling's argmax to memory where a whole-step
+graph would compute it again in the backward pass (`RealizePoolIndices`).
 """
 
 from __future__ import annotations
@@ -139,9 +139,9 @@ def compile(
     that check that an object reached through fmp's modules (fmp's functions and classes, the torch
     functions they call) is the one traced are dropped (see `trusted_guard` and
     [Performance and memory tuning](../how-to/performance-tuning.md)). With the inductor backend,
-    one pass differs too: max pooling's indices are written once to memory, as `torch.compile(model)`'s
-    forward saves them for its backward, where a graph holding both passes would recompute each
-    window's argmax in the backward kernel.
+    one pass differs too: max pooling's argmax is written once to memory, as `torch.compile(model)`'s
+    forward saves it for its backward, where a graph holding both passes would compute it again
+    in the backward (`RealizePoolIndices`).
     Every guard on the state, the batch, the model, the loss function and on values is kept, so a
     new batch shape, a changed model or a new policy still recompiles. Code that replaces one of
     fmp's functions (a test's monkeypatch) after the first call is not seen until
@@ -163,7 +163,8 @@ def compile(
             takes one or the other), with another backend it cannot be given.
         options: As torch.compile's. A `guard_filter_fn` in them also runs: a guard stays where both
             keep it. A `post_grad_custom_post_pass` in them (or else in `torch._inductor.config`
-            as this is called) runs after fmp's own. The dict is not modified.
+            as this is called) runs after fmp's `RealizePoolIndices`; one set to None runs no
+            post-grad pass, fmp's included. The dict is not modified.
         **compile_kwargs: torch.compile's other keywords (`disable`, `recompile_limit`, ... as the
             installed torch has them), passed on.
 
@@ -211,7 +212,7 @@ def compile(
         # is generated as C++, the same kernels called with less overhead per step.
         merged.setdefault("cpp_wrapper", True)
     merged["guard_filter_fn"] = _keep_untrusted(merged.get("guard_filter_fn"))
-    if backend == "inductor":
+    if backend == "inductor" and merged.get("post_grad_custom_post_pass", ()) is not None:
         theirs = merged.get("post_grad_custom_post_pass", torch._inductor.config.post_grad_custom_post_pass)
         merged["post_grad_custom_post_pass"] = _after_pool_indices(theirs)
     target = fn if isinstance(fn, torch.nn.Module) else _own_frame(fn)
@@ -240,11 +241,10 @@ def _own_frame(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _after_pool_indices(theirs: Any) -> list[Any]:
     """Inductor's post-grad passes: fmp's `RealizePoolIndices`, then the caller's own (one, or a list)."""
-    if theirs is None:
-        return [RealizePoolIndices()]
-    if isinstance(theirs, (list, tuple)):
-        return [RealizePoolIndices(), *theirs]
-    return [RealizePoolIndices(), theirs]
+    passes = list(theirs) if isinstance(theirs, (list, tuple)) else [] if theirs is None else [theirs]
+    if any(isinstance(each, RealizePoolIndices) for each in passes):
+        return passes
+    return [RealizePoolIndices(), *passes]
 
 
 def _keep_untrusted(

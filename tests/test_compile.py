@@ -292,17 +292,22 @@ def test_fmps_pool_indices_pass_runs_before_the_callers_own_inductor_passes(monk
     with torch._inductor.config.patch(post_grad_custom_post_pass=mine):
         fmp.compile(step)  # one set in Inductor's config runs too
     assert calls[-1]["options"]["post_grad_custom_post_pass"][1:] == [mine]
+    theirs = fmp.RealizePoolIndices()
+    fmp.compile(step, options={"post_grad_custom_post_pass": [mine, theirs]})  # given already: once
+    assert calls[-1]["options"]["post_grad_custom_post_pass"] == [mine, theirs]
+    fmp.compile(step, options={"post_grad_custom_post_pass": None})  # no post-grad pass at all
+    assert calls[-1]["options"]["post_grad_custom_post_pass"] is None
     fmp.compile(step, backend="eager")
     assert "post_grad_custom_post_pass" not in calls[-1]["options"]
 
 
 class _Pools(nn.Module):
-    """Max pooling in each form Inductor lowers apart: decomposed, dilated (not decomposed) and adaptive."""
+    """Max pooling in the forms Inductor lowers as unrolled windows: strided, dilated, adaptive, 1-d."""
 
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(2, 4, 3, padding=1)
-        self.head = nn.Linear(4 * 3 * 3 + 4 * 2 * 2 + 4 * 3 * 3, 3)
+        self.head = nn.Linear(4 * (9 + 4 + 9 + 18), 3)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = self.conv(x)
@@ -310,30 +315,69 @@ class _Pools(nn.Module):
             F.max_pool2d(h, 3, stride=2, padding=1),
             F.max_pool2d(h, 2, stride=2, dilation=2),
             F.adaptive_max_pool2d(h, 3),
+            F.max_pool1d(h.flatten(2), 2),
         ]
         features = torch.cat([p.flatten(1) for p in pooled], dim=1)
         return F.cross_entropy(self.head(features), y)
 
 
-@pytest.mark.compiled
-def test_max_pooling_indices_are_written_once_and_the_step_is_torch_compiles_bit_for_bit() -> None:
-    """Every reader of a pooling's indices reads them through a realized copy; values are unchanged."""
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = _Pools()
-    params, _ = fmp.nn.split(model)
-    graphs: list[torch.fx.Graph] = []
+class _OnePool(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
 
-    def record(graph: torch.fx.Graph) -> None:  # runs after fmp's pass
-        graphs.append(graph)
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (F.max_pool2d(self.conv(x), 2) - F.max_pool2d(y, 2)).square().mean()
+
+
+def _pool_step(
+    model: nn.Module, record: Callable[[torch.fx.Graph], None]
+) -> tuple[Callable[..., Any], Callable[..., Any], fmp.TrainState]:
+    """The step compiled by fmp.compile (with `record` as the caller's own pass), the step itself, a state."""
+    params, _ = fmp.nn.split(model)
 
     def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return fmp.nn.call(model, params, {}, x, y)[0]
 
+    policy = fmp.get_policy("params=float32,compute=float32,output=float32")
     state = fmp.TrainState.create(params, ADAMW, fmp.DynamicLossScale.create())
-    partial = functools.partial(fmp.train_step, loss_fn, policy=POLICY, optimizer=ADAMW)
-    ours = fmp.compile(partial, options={"post_grad_custom_post_pass": record, "fx_graph_cache": False})
-    theirs = torch.compile(partial, fullgraph=True)
+    partial = functools.partial(fmp.train_step, loss_fn, policy=policy, optimizer=ADAMW)
+    options = {"post_grad_custom_post_pass": record, "fx_graph_cache": False}
+    return fmp.compile(partial, options=options), partial, state
+
+
+# Per node: its name, target, second argument and the names of the nodes it reads.
+_Snapshot = list[tuple[str, Any, Any, list[str]]]
+
+
+def _snapshot(graph: torch.fx.Graph) -> _Snapshot:
+    return [(node.name, node.target, node.args[1:2], [n.name for n in node.all_input_nodes]) for node in graph.nodes]
+
+
+def _offsets_readers(graph: _Snapshot) -> list[list[Any]]:
+    """For each pooling's offsets in a snapshot of a graph, the targets of the nodes reading them."""
+    pool = torch.ops.prims._low_memory_max_pool_with_offsets.default
+    targets = {name: target for name, target, _, _ in graph}
+    offsets = [
+        name
+        for name, target, second, inputs in graph
+        if target is operator.getitem and second == (1,) and targets[inputs[0]] is pool
+    ]
+    return [[target for _, target, _, inputs in graph if name in inputs] for name in offsets]
+
+
+@pytest.mark.compiled
+def test_max_pooling_offsets_are_written_once_and_the_step_is_torch_compiles_bit_for_bit() -> None:
+    """Each reader of a pooling's offsets reads a realized copy before the caller's pass runs; values are unchanged."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    graphs: list[_Snapshot] = []
+
+    def record(graph: torch.fx.Graph) -> None:  # a snapshot, as the caller's pass sees the graph
+        graphs.append(_snapshot(graph))
+
+    ours, step, state = _pool_step(_Pools(), record)
+    theirs = torch.compile(step, fullgraph=True)
     generator = torch.Generator().manual_seed(2)
     x, y = torch.randn(2, 2, 6, 6, generator=generator), torch.randint(3, (2,), generator=generator)
     ours_state, ours_info = ours(state, x, y)
@@ -341,14 +385,28 @@ def test_max_pooling_indices_are_written_once_and_the_step_is_torch_compiles_bit
     assert_trees_bitwise_equal(ours_state, theirs_state)
     assert_trees_bitwise_equal(ours_info, theirs_info)
     (graph,) = graphs
+    readers = _offsets_readers(graph)
+    assert len(readers) == 4
     force = torch.ops.prims.inductor_force_stride_order.default
-    indices = [
-        node
-        for node in graph.nodes
-        if node.target is operator.getitem and node.args[1] == 1 and "pool" in str(node.args[0].target)
-    ]
-    assert len(indices) == 3
-    for node in indices:
-        assert [user.target for user in node.users] == [force]
-        (realized,) = node.users
-        assert realized.users, "the indices' readers read the realized copy"
+    assert all(targets == [force] for targets in readers)
+
+
+@pytest.mark.compiled
+def test_the_pool_pass_realizes_the_offsets_under_a_dynamic_batch_and_leaves_symbolic_strides_alone() -> None:
+    """A dynamic batch keeps integer strides (realized); dynamic image sizes are left alone; all match eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    graphs: list[_Snapshot] = []
+
+    def record(graph: torch.fx.Graph) -> None:
+        graphs.append(_snapshot(graph))
+
+    ours, eager, state = _pool_step(_OnePool(), record)
+    force = torch.ops.prims.inductor_force_stride_order.default
+    for shape in [(3, 2, 6, 6), (5, 2, 6, 6), (5, 2, 8, 8)]:  # a new batch size, then a new image size
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(shape[0] + shape[2]))
+        torch.testing.assert_close(ours(state, x, x)[0].params, eager(state, x, x)[0].params)
+    readers = [_offsets_readers(graph) for graph in graphs]
+    assert len(readers) == 3  # static, then dynamic batch, then dynamic sizes
+    assert readers[0] == readers[1] == [[force]]
+    assert readers[2] == [[torch.ops.prims._low_memory_max_pool_offsets_to_indices.default]]
