@@ -119,3 +119,95 @@ def test_call_leaves_names_it_cannot_place_to_functional_call() -> None:
     same = {**params, "head.weight": params["embed.weight"]}
     output, _ = fmp.nn.call(model, same, copy.deepcopy(buffers), tokens)
     assert_trees_bitwise_equal(output, _reference(model, params, copy.deepcopy(buffers), tokens)[0])
+
+
+def _compiled_call(model: nn.Module, seen: list[Any] | None = None) -> Any:
+    def keep_all(entries: Any) -> list[bool]:
+        if seen is not None:
+            seen.extend(entries)
+        return [True] * len(entries)
+
+    def run(params: Any, buffers: Any, *args: Any) -> Any:
+        return fmp.nn.call(model, params, buffers, *args)
+
+    return torch.compile(run, backend="eager", fullgraph=True, options={"guard_filter_fn": keep_all})
+
+
+@pytest.mark.compiled
+@torch._dynamo.config.patch(allow_rnn=True)  # else Dynamo breaks the graph at the GRU
+def test_compiled_call_matches_functional_call_and_guards_no_walk_of_the_module_tree(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Traced, the swap reaches each slot by its path: no guard on the dicts of modules it does not read."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Counting().train()
+    before = _module_tensors(model)
+    tokens = torch.randint(0, 10, (3, 5))
+    seen: list[Any] = []
+    compiled = _compiled_call(model, seen)
+    for _ in range(2):
+        params, buffers = _copies(model)
+        ref_params, ref_buffers = copy.deepcopy((params, buffers))
+        output, new_buffers = compiled(params, buffers, tokens)
+        expected, expected_buffers = _reference(model, ref_params, ref_buffers, tokens)
+        torch.testing.assert_close(output, expected)
+        assert_trees_bitwise_equal(new_buffers, expected_buffers)
+        assert int(new_buffers["calls"]) == 1
+    after = _module_tensors(model)
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    assert model.head.weight is model.embed.weight
+    # The dicts of the module tree it guards are those the forward reads itself, not every module's.
+    forward_seen: list[Any] = []
+
+    def keep_all(entries: Any) -> list[bool]:
+        forward_seen.extend(entries)
+        return [True] * len(entries)
+
+    torch.compile(lambda tokens: model(tokens), backend="eager", fullgraph=True, options={"guard_filter_fn": keep_all})(
+        tokens
+    )
+
+    # Beyond those, only the dicts it writes the buffers into.
+    def buffers_of(name: str) -> str:
+        return "model" + "".join(f"._modules['{part}']" for part in name.split(".")[:-1]) + "._buffers"
+
+    assert _tree_dicts(seen) - _tree_dicts(forward_seen) <= {buffers_of(name) for name in buffers}
+    # functional_call's walk, traced, guarded every module's.
+    torch._dynamo.reset()
+    walk_seen: list[Any] = []
+    monkeypatch.setattr(fmp.nn._swap, "_slots", lambda module, values: None)
+    _compiled_call(model, walk_seen)(*_copies(model), tokens)
+    assert len(_tree_dicts(seen)) < len(_tree_dicts(walk_seen))
+
+
+def _tree_dicts(entries: list[Any]) -> set[str]:
+    """The module dicts (`_buffers`, `_modules`) whose keys a compiled call's guards check."""
+    dicts = ("._buffers", "._modules")
+    return {e.name for e in entries if e.guard_type == "DICT_KEYS_MATCH" and e.name.endswith(dicts)}
+
+
+@pytest.mark.compiled
+@torch._dynamo.config.patch(allow_rnn=True)
+def test_compiled_call_follows_tied_names_given_twice_and_a_replaced_submodule() -> None:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Counting().train()
+    params, buffers = _copies(model)
+    tokens = torch.randint(0, 10, (2, 3))
+    # Both names of the tied weight with one tensor: the plan leaves it to functional_call.
+    same = {**params, "head.weight": params["embed.weight"]}
+    output, _ = _compiled_call(model)(same, copy.deepcopy(buffers), tokens)
+    torch.testing.assert_close(output, _reference(model, params, copy.deepcopy(buffers), tokens)[0])
+    # A submodule replaced after the first compiled call: the next call swaps into the new one.
+    torch._dynamo.reset()
+    plain = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    linear_params, _ = _copies(plain)
+    compiled = _compiled_call(plain)
+    compiled(linear_params, {}, x)
+    replaced = plain[2]
+    plain[2] = nn.Linear(4, 2)
+    output, _ = compiled(linear_params, {}, x)
+    torch.testing.assert_close(output, torch.func.functional_call(plain, linear_params, (x,)))
+    assert plain[2].weight is not replaced.weight
