@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import assert_trees_bitwise_equal
 from torch import nn
+from torch._dynamo.testing import CompileCounter
 
 import fmp
 
@@ -119,3 +120,37 @@ def test_call_leaves_names_it_cannot_place_to_functional_call() -> None:
     same = {**params, "head.weight": params["embed.weight"]}
     output, _ = fmp.nn.call(model, same, copy.deepcopy(buffers), tokens)
     assert_trees_bitwise_equal(output, _reference(model, params, copy.deepcopy(buffers), tokens)[0])
+
+
+class _TiedPair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+@pytest.mark.compiled
+def test_one_compiled_call_serves_every_instance_of_a_model_and_follows_weights_untied_since() -> None:
+    """Compiled once, call takes any instance (no graph per module) and sees a weight untied after the first call."""
+    torch._dynamo.reset()
+    counter = CompileCounter()
+
+    def run(model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return fmp.nn.call(model, params, {}, x)[0]
+
+    compiled = torch.compile(run, backend=counter, fullgraph=True)
+    x = torch.randn(3, 4)
+    torch.manual_seed(0)
+    models = [_TiedPair() for _ in range(10)]  # more than the recompile limit
+    for model in models:
+        params, _ = _copies(model)
+        torch.testing.assert_close(compiled(model, params, x), _reference(model, params, {}, x)[0])
+    assert counter.frame_count == 1
+    model = models[0]
+    params, _ = _copies(model)  # taken while tied: a.weight stands for both
+    compiled(model, params, x)
+    model.b.weight = nn.Parameter(torch.ones(4, 4))
+    torch.testing.assert_close(compiled(model, params, x), _reference(model, params, {}, x)[0])
