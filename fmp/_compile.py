@@ -212,9 +212,11 @@ def compile(
         # is generated as C++, the same kernels called with less overhead per step.
         merged.setdefault("cpp_wrapper", True)
     merged["guard_filter_fn"] = _keep_untrusted(merged.get("guard_filter_fn"))
-    if backend == "inductor" and merged.get("post_grad_custom_post_pass", ()) is not None:
+    if backend == "inductor":
         theirs = merged.get("post_grad_custom_post_pass", torch._inductor.config.post_grad_custom_post_pass)
-        merged["post_grad_custom_post_pass"] = _after_pool_indices(theirs)
+        opted_out = "post_grad_custom_post_pass" in merged and theirs is None
+        if not opted_out:
+            merged["post_grad_custom_post_pass"] = _after_pool_indices(theirs)
     target = fn if isinstance(fn, torch.nn.Module) else _own_frame(fn)
     compiled = torch.compile(
         target, fullgraph=fullgraph, dynamic=dynamic, backend=backend, options=merged, **compile_kwargs

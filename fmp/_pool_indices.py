@@ -44,8 +44,9 @@ class RealizePoolIndices(CustomGraphPass):
                 and node.args[1] == 1
                 and getattr(node.args[0], "target", None) is pool
             )
-            already = all(reader.target is force for reader in node.users)  # a second run changes nothing
-            if not is_offsets or already or "val" not in node.meta:
+            if not is_offsets or "val" not in node.meta:
+                continue
+            if all(reader.target is force for reader in node.users):  # unread, or realized by a run before
                 continue
             stride = node.meta["val"].stride()
             if not all(isinstance(each, int) for each in stride):
