@@ -13,8 +13,10 @@ through any other module (the model's code, and torch as the model's modules nam
 Each function it compiles also gets a code object of its own, so that its graphs and recompiles
 are counted apart from every other compiled function's; on a machine without an accelerator
 Inductor generates the graph's wrapper as C++ (`cpp_wrapper`), which calls the same kernels with
-less overhead per call; and Inductor writes max pooling's argmax to memory where a whole-step
-graph would compute it again in the backward pass (`RealizePoolIndices`).
+less overhead per call; Inductor writes max pooling's argmax to memory where a whole-step
+graph would compute it again in the backward pass (`RealizePoolIndices`); and AOTAutograd's cache
+keeps a graph that enters torch.autocast (fmp's regions on torch's own rules), so a warm cache
+skips tracing the step's joint graph again.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import overload
 
 import torch
 from torch._dynamo.types import GuardFilterEntry
+from torch.amp import autocast_mode
 
 from fmp._pool_indices import RealizePoolIndices
 
@@ -58,6 +61,16 @@ _IDENTITY_GUARDS = frozenset(
         "TYPE_MATCH",
     }
 )
+
+
+# AOTAutograd's cache passes over a graph that calls a function missing from its list of cacheable
+# ones, and a step whose regions run on torch.autocast enters and leaves it inside the graph. What
+# these two calls do is fixed by their arguments, constants of the graph and so of the cache key:
+# marked cacheable (keyed by the torch version), a warm cache skips AOTAutograd's tracing too.
+_AUTOCAST_IN_GRAPH = {
+    f"{function.__module__}.{function.__name__}": torch.__version__
+    for function in (autocast_mode._enter_autocast, autocast_mode._exit_autocast)
+}
 
 
 def _root_global(source: Any) -> str | None:
@@ -151,7 +164,10 @@ def compile(
     `fullgraph=True`); so compiling one function twice compiles it twice. A module is compiled as
     torch.compile compiles it. With the inductor backend on a machine without an accelerator, it
     also sets Inductor's `cpp_wrapper` unless `options` do: the graph's kernels are called from
-    generated C++ rather than Python.
+    generated C++ rather than Python. With the inductor backend, torch.autocast's enter and exit,
+    which a step on torch's own rules calls inside its graph, are marked cacheable beside any the
+    caller marked (`unsafe_marked_cacheable_functions`): their arguments are constants of the
+    graph, and without the mark AOTAutograd's cache passes such a graph over.
 
     Args:
         fn: The function to compile, e.g. `functools.partial(fmp.train_step, loss_fn, ...)`; without
@@ -217,6 +233,9 @@ def compile(
         opted_out = "post_grad_custom_post_pass" in merged and theirs is None
         if not opted_out:
             merged["post_grad_custom_post_pass"] = _after_pool_indices(theirs)
+        cacheable = "unsafe_marked_cacheable_functions"
+        marked = merged.get(cacheable, torch._inductor.config.unsafe_marked_cacheable_functions)
+        merged[cacheable] = {**_AUTOCAST_IN_GRAPH, **marked}
     target = fn if isinstance(fn, torch.nn.Module) else _own_frame(fn)
     compiled = torch.compile(
         target, fullgraph=fullgraph, dynamic=dynamic, backend=backend, options=merged, **compile_kwargs

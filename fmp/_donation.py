@@ -47,11 +47,14 @@ def check_distinct(donated: Any, name: str) -> list[Any]:
         `donated`'s leaves, for the caller's further looks at them (a list of them is a tree too).
     """
     leaves = pytree.tree_leaves(donated)
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     if not torch.compiler.is_compiling():
-        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         if len({id(leaf) for leaf in tensors}) == len(tensors):
             _check_no_overlap(donated, leaves, name)
             return leaves
+    elif len(set(tensors)) == len(tensors):
+        # Dynamo takes a set of tensors by what it traced them as, with no guard on their identity.
+        return leaves
     groups: dict[tuple[Any, ...], list[tuple[int, torch.Tensor]]] = {}
     for index, leaf in enumerate(leaves):
         if not isinstance(leaf, torch.Tensor):

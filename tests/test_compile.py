@@ -270,6 +270,49 @@ def test_inductor_compiles_the_donated_step_once_as_torch_compile_does() -> None
     assert counter.frame_count == 1
 
 
+@pytest.mark.compiled
+def test_a_step_compiled_again_comes_from_aot_autograds_cache_with_torch_autocast_in_its_graph() -> None:
+    # The cpu rules run on torch.autocast, entered and left inside the graph: AOTAutograd's cache
+    # passed over such a graph, so a warm cache still traced the joint graph again.
+    _, loss_fn, state = _setup()
+    partial = functools.partial(fmp.train_step, loss_fn, policy=POLICY, optimizer=ADAMW)
+    x, y = _batches(1)[0]
+    aot = torch._dynamo.utils.counters["aot_autograd"]
+    results = []
+    for _ in range(2):
+        torch._dynamo.reset()  # the second compile traces anew and looks the graph up in the caches
+        hits, bypasses = aot["autograd_cache_hit"], aot["autograd_cache_bypass"]
+        results.append(fmp.compile(partial)(state, x, y))
+        assert aot["autograd_cache_bypass"] == bypasses
+    assert aot["autograd_cache_hit"] == hits + 1
+    assert_trees_bitwise_equal(results[0], results[1])
+    eager = fmp.train_step(loss_fn, state, x, y, policy=POLICY, optimizer=ADAMW)
+    assert_trees_bitwise_equal(results[1][0].counts, eager[0].counts)
+    torch.testing.assert_close(results[1][0].params, eager[0].params)
+
+
+def test_the_autocast_calls_are_marked_cacheable_beside_the_callers_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    autocast_calls = {"torch.amp.autocast_mode._enter_autocast", "torch.amp.autocast_mode._exit_autocast"}
+    fmp.compile(step)
+    assert set(calls[-1]["options"]["unsafe_marked_cacheable_functions"]) == autocast_calls
+    mine = {"torch.ops.mine.op": "1"}
+    options = {"unsafe_marked_cacheable_functions": mine}
+    fmp.compile(step, options=options)
+    assert options == {"unsafe_marked_cacheable_functions": {"torch.ops.mine.op": "1"}}
+    assert calls[-1]["options"]["unsafe_marked_cacheable_functions"].keys() == autocast_calls | set(mine)
+    with torch._inductor.config.patch(unsafe_marked_cacheable_functions=mine):
+        fmp.compile(step)  # one set in Inductor's config is kept too
+    assert calls[-1]["options"]["unsafe_marked_cacheable_functions"].keys() == autocast_calls | set(mine)
+    fmp.compile(step, backend="eager")
+    assert "unsafe_marked_cacheable_functions" not in calls[-1]["options"]
+
+
 def test_fmps_pool_indices_pass_runs_before_the_callers_own_inductor_passes(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[dict[str, Any]] = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)

@@ -61,6 +61,11 @@ def _real(x: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(x) if x.is_complex() else x
 
 
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # x itself where it has the dtype, as x.to(dtype) returns it, without an op for Dynamo to trace.
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def _like(real: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.view_as_complex(real) if like.is_complex() else real
 
@@ -241,12 +246,17 @@ def _adam(
 
         exp_avg_sq = [new_exp_avg_sq(v, g) for v, g in zip(exp_avg_sq_leaves, grad_leaves, strict=True)]
 
+        # Each op here is traced once per param: the scalars are cast and split once per opmath dtype.
+        scalars_in: dict[torch.dtype, tuple[torch.Tensor, ...]] = {}
+
         def new_param(complex_param: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             param, m, v = _real(complex_param), _real(m), _real(v)
             opmath = torch.promote_types(param.dtype, torch.float32)
-            scalars = step_scalars.to(opmath)
+            if opmath not in scalars_in:
+                scalars_in[opmath] = step_scalars.to(opmath).unbind()
+            scalars = scalars_in[opmath]
             if scheduled_decay:
-                param = (param.to(opmath) * scalars[2]).to(param.dtype)
+                param = _cast(_cast(param, opmath) * scalars[2], param.dtype)
             elif decoupled and weight_decay:
                 param = param * (1.0 - lr_now * weight_decay)
             # torch divides by a Python float, which its kernels read in at least float32 (opmath); its
@@ -254,14 +264,14 @@ def _adam(
             # opmath too and rounds once to the param dtype.
             if in_place:
                 denom = torch.sqrt(v).div_(scalars[1]).add_(eps)
-                update = (scalars[0] * m.to(opmath)).div_(denom.to(opmath))
-                return _like(torch.sub(param.to(opmath), update, out=update).to(param.dtype), complex_param)
+                update = (scalars[0] * _cast(m, opmath)).div_(_cast(denom, opmath))
+                return _like(_cast(torch.sub(_cast(param, opmath), update, out=update), param.dtype), complex_param)
             # Rounded to v's dtype before eps is added, as torch's (and the in-place form's) division
             # by a number rounds it: a 0-dim 16-bit v divided by the 0-dim float32 tensor would
             # otherwise stay float32.
-            denom = (torch.sqrt(v) / scalars[1]).to(v.dtype) + eps
-            update = scalars[0] * m.to(opmath) / denom.to(opmath)
-            return _like((param.to(opmath) - update).to(param.dtype), complex_param)
+            denom = _cast(torch.sqrt(v) / scalars[1], v.dtype) + eps
+            update = scalars[0] * _cast(m, opmath) / _cast(denom, opmath)
+            return _like(_cast(_cast(param, opmath) - update, param.dtype), complex_param)
 
         new_params = [new_param(p, m, v) for p, m, v in zip(param_leaves, exp_avg, exp_avg_sq, strict=True)]
         old = [param_leaves, exp_avg_leaves, exp_avg_sq_leaves]
