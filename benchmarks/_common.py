@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
 import json
 import statistics
@@ -67,9 +69,21 @@ def _resident_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def _release_free_heap() -> None:
+    """Hands the free pages of malloc's heap back to the system (glibc), so that none is reused unseen."""
+    # Not glibc (no malloc_trim): the resident size then depends on what was freed before.
+    with contextlib.suppress(AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
+
+
 def cpu_peak_bytes(step: Callable[[], object], state: Callable[[], Any]) -> int:
-    """Bytes of `state()` plus the most two calls of `step` raise the resident size (Linux, CPU_MEMORY_ENV)."""
+    """Bytes of `state()` plus the most two calls of `step` raise the resident size (Linux, CPU_MEMORY_ENV).
+
+    The heap's free pages are handed back first: memory an earlier compile freed would otherwise take
+    some of the step's small allocations unseen, and by how much would depend on what ran before.
+    """
     gc.collect()
+    _release_free_heap()
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
     before = _resident_kib("VmRSS")
     for _ in range(2):

@@ -45,8 +45,9 @@ forward without graph breaks, that never recompiles. Peak memory is the contende
 between steps (params, optimizer state, scaler) plus the most one step allocates on top of what was
 allocated before it: on CUDA from torch.cuda.max_memory_allocated; on a CPU from the peak resident
 size (VmHWM) over two steps, in a subprocess that builds the contenders anew and whose malloc hands
-every freed block of 64 KiB or more back to the system (MALLOC_MMAP_THRESHOLD_), so that resident
-size follows the live tensors.
+every freed block of 64 KiB or more back to the system (MALLOC_MMAP_THRESHOLD_), and that first
+hands back its heap's free pages (malloc_trim), so that resident size follows the live tensors and
+not what the contenders before it (or their compiles) left free.
 The last column is each contender's loss at its last step, on the same batches for all, as a check
 that they train alike.
 

@@ -37,7 +37,8 @@ named contenders (and the torch.amp rows their ratios need).
 Peak memory is the contender's state kept between steps (params, optimizer state, scaler) plus the
 most a step allocates on top of it: from torch.cuda's allocator statistics on a GPU; on CPU from the
 process's peak resident size (VmHWM) in a subprocess whose malloc returns every large block to
-the system (MALLOC_MMAP_THRESHOLD_), so resident size follows live tensors.
+the system (MALLOC_MMAP_THRESHOLD_) and whose heap's free pages are handed back before each
+contender (malloc_trim), so resident size follows live tensors.
 
     python benchmarks/bench_step.py [--device cuda] [--setting cpu-machinery] [--isolate] [--only LABEL ...]
                                     [--steps 20 --rounds 5]
