@@ -63,6 +63,9 @@ _IDENTITY_GUARDS = frozenset(
 )
 
 
+# Fusion candidates tried per kernel among those sharing a buffer (Inductor's default: 64).
+_FUSION_PAIRS = 8
+
 # AOTAutograd's cache passes over a graph that calls a function missing from its list of cacheable
 # ones, and a step whose regions run on torch.autocast enters and leaves it inside the graph. What
 # these two calls do is fixed by their arguments, constants of the graph and so of the cache key:
@@ -167,7 +170,10 @@ def compile(
     generated C++ rather than Python. With the inductor backend, torch.autocast's enter and exit,
     which a step on torch's own rules calls inside its graph, are marked cacheable beside any the
     caller marked (`unsafe_marked_cacheable_functions`): their arguments are constants of the
-    graph, and without the mark AOTAutograd's cache passes such a graph over.
+    graph, and without the mark AOTAutograd's cache passes such a graph over. And unless `options`
+    set it, Inductor tries 8 fusion partners per kernel among those sharing a buffer
+    (`max_fusion_buffer_group_pairwise_attempts`, 64 by default): every param's update reads the
+    step's few scalars, so each of its kernels was tried against 64 others that cannot fuse with it.
 
     Args:
         fn: The function to compile, e.g. `functools.partial(fmp.train_step, loss_fn, ...)`; without
@@ -229,6 +235,11 @@ def compile(
         merged.setdefault("cpp_wrapper", True)
     merged["guard_filter_fn"] = _keep_untrusted(merged.get("guard_filter_fn"))
     if backend == "inductor":
+        # Inductor tries to fuse each kernel with the next 64 that use one of its buffers; in a
+        # whole step every param's update reads the same few scalars (scale, skip flag, step
+        # sizes), so each update kernel met 64 others it cannot fuse with: a quarter of a cold
+        # compile on a model of a hundred param tensors.
+        merged.setdefault("max_fusion_buffer_group_pairwise_attempts", _FUSION_PAIRS)
         theirs = merged.get("post_grad_custom_post_pass", torch._inductor.config.post_grad_custom_post_pass)
         opted_out = "post_grad_custom_post_pass" in merged and theirs is None
         if not opted_out:

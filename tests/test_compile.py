@@ -180,6 +180,9 @@ def test_options_and_mode_reach_torch_compile_with_the_filter_and_the_callers_di
     assert calls[-1]["fullgraph"] is True and calls[-1]["backend"] == "inductor"
     assert calls[-1]["options"]["realize_reads_threshold"] == 1
     assert calls[-1]["options"]["cpp_wrapper"] is True  # a CPU-only machine: the wrapper in C++
+    assert calls[-1]["options"]["max_fusion_buffer_group_pairwise_attempts"] == 8
+    fmp.compile(step, options={"max_fusion_buffer_group_pairwise_attempts": 64})
+    assert calls[-1]["options"]["max_fusion_buffer_group_pairwise_attempts"] == 64
     fmp.compile(step, options={"cpp_wrapper": False})
     assert calls[-1]["options"]["cpp_wrapper"] is False
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
