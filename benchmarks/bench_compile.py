@@ -114,6 +114,8 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--probe", choices=list(CONTENDERS.values()), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
     if args.probe:
         print(json.dumps(probe(args.model, args.layers[0], args.probe, args.steps)))
         return

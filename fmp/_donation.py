@@ -40,8 +40,9 @@ def check_distinct(donated: Any, name: str) -> list[Any]:
 
     Leaves are compared with `is` within groups of equal shape, dtype and device (only those can be
     one tensor): Dynamo traces `is` without a guard, where `id()` would guard on each tensor's
-    identity and recompile for every new set of tensors. Eager, a set of ids answers first. The
-    paths are only spelled out for the message.
+    identity and recompile for every new set of tensors. Eager, a set of ids answers first; traced,
+    a set of the tensors (Dynamo compares what it traced them as). The paths are only spelled out
+    for the message.
 
     Returns:
         `donated`'s leaves, for the caller's further looks at them (a list of them is a tree too).
