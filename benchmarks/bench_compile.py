@@ -25,13 +25,11 @@ after it, with the step's ratio to torch.amp's.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +37,6 @@ import bench_models
 import torch
 from _common import describe_machine
 from _common import run_probe
-
-import fmp
 
 CONTENDERS = {"torch.amp compiled": "amp", "fmp donated": "donated", "fmp donated, wrapper apart": "donated-apart"}
 BATCH = {"batch_size": 8, "seq_len": 64}
@@ -51,27 +47,6 @@ def _phase_seconds(name: str) -> float:
     return float(sum(torch._dynamo.utils.compilation_time_metrics.get(name, [])))
 
 
-def _fmp_step(model: torch.nn.Module, options: dict[str, Any]) -> Callable[[tuple[torch.Tensor, ...]], torch.Tensor]:
-    """bench_models' "fmp donated" step (AdamW, the CPU rules, donate=True) compiled with these `options`."""
-    params, buffers = fmp.nn.split(model)
-
-    def loss_fn(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], *batch: torch.Tensor) -> Any:
-        return fmp.nn.call(model, params, buffers, *batch)
-
-    policy = fmp.get_policy("params=float32,compute=bfloat16,output=float32,rules=cpu")
-    optimizer = fmp.optim.adamw(bench_models.LR)
-    state = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create(), model_state=buffers)
-    partial = functools.partial(fmp.train_step, loss_fn, policy=policy, optimizer=optimizer, donate=True)
-    train_step = fmp.compile(partial, options=options)
-
-    def step(batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        nonlocal state
-        state, info = train_step(state, *batch)
-        return info.loss  # type: ignore[no-any-return]
-
-    return step
-
-
 def probe(model_name: str, layers: int, contender: str, steps: int) -> dict[str, float]:
     """In this (sub)process: the contender's first call, its compile phases, and its time per step."""
     zoo_case = bench_models.zoo.case(model_name)
@@ -80,7 +55,8 @@ def probe(model_name: str, layers: int, contender: str, steps: int) -> dict[str,
     if contender == "amp":
         step = bench_models.torch_contender(model, torch.bfloat16, amp=True, compiled=True).step
     else:
-        step = _fmp_step(model, {"cpp_wrapper_build_separate": True} if contender == "donated-apart" else {})
+        options = {"cpp_wrapper_build_separate": True} if contender == "donated-apart" else {}
+        step = bench_models.fmp_contender(model, torch.bfloat16, "cpu", mode="donated", options=options).step
     start = time.perf_counter()
     step(batches[0])
     first_call = time.perf_counter() - start

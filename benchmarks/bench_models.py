@@ -162,9 +162,10 @@ def fmp_contender(
     *,
     mode: str | None,
     fused: bool = False,
+    options: dict[str, Any] | None = None,
 ) -> Contender:
-    """fmp.train_step: `mode` None (eager), "compiled" or "donated" (donate=True) by fmp.compile, or "torch.compile"
-    (donated, by torch.compile(fullgraph=True))."""
+    """fmp.train_step: `mode` None (eager), "compiled" or "donated" (donate=True) by fmp.compile with Inductor
+    `options`, or "torch.compile" (donated, by torch.compile(fullgraph=True))."""
     device = next(model.parameters()).device
     params, buffers = fmp.nn.split(model)
 
@@ -182,7 +183,7 @@ def fmp_contender(
     if mode == "torch.compile":
         train_step = torch.compile(train_step, fullgraph=True)
     elif mode is not None:
-        train_step = fmp.compile(train_step)
+        train_step = fmp.compile(train_step, options=options)
 
     def step(batch: Batch) -> torch.Tensor:
         nonlocal state

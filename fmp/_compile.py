@@ -229,12 +229,12 @@ def compile(
         except RuntimeError as error:  # torch's "Unrecognized mode=..., should be one of: ..."
             raise ValueError(f"fmp.compile: {error}") from None
     merged.update(options or {})
-    if backend == "inductor" and not torch.accelerator.is_available():
-        # Everything runs on the CPU: the graph's Python wrapper (buffer allocation, kernel calls)
-        # is generated as C++, the same kernels called with less overhead per step.
-        merged.setdefault("cpp_wrapper", True)
     merged["guard_filter_fn"] = _keep_untrusted(merged.get("guard_filter_fn"))
     if backend == "inductor":
+        if not torch.accelerator.is_available():
+            # Everything runs on the CPU: the graph's Python wrapper (buffer allocation, kernel
+            # calls) is generated as C++, the same kernels called with less overhead per step.
+            merged.setdefault("cpp_wrapper", True)
         # Inductor tries to fuse each kernel with the next 64 that use one of its buffers; in a
         # whole step every param's update reads the same few scalars (scale, skip flag, step
         # sizes), so each update kernel met 64 others it cannot fuse with: a quarter of a cold

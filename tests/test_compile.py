@@ -61,6 +61,17 @@ def _recorder() -> tuple[list[GuardFilterEntry], Callable[[Sequence[GuardFilterE
     return seen, keep_all
 
 
+def _recorded_compiles(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The keywords of each torch.compile call from now on (which compiles nothing, returning its function)."""
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
+    return calls
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def test_the_step_compiles_whole_equals_the_eager_step_and_does_not_recompile_as_the_scale_moves() -> None:
     torch._dynamo.reset()
     _, loss_fn, state = _setup()
@@ -166,30 +177,26 @@ def test_each_compiled_function_keeps_its_own_graphs_and_recompile_count() -> No
 def test_options_and_mode_reach_torch_compile_with_the_filter_and_the_callers_dict_is_left_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
-
-    def step(x: torch.Tensor) -> torch.Tensor:
-        return x
+    calls = _recorded_compiles(monkeypatch)
 
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
     options = {"realize_reads_threshold": 1}
-    wrapped = fmp.compile(step, options=options)
-    assert wrapped.__wrapped__ is step and wrapped.__code__ is not step.__code__  # type: ignore[attr-defined]
+    wrapped = fmp.compile(_identity, options=options)
+    assert wrapped.__wrapped__ is _identity and wrapped.__code__ is not _identity.__code__  # type: ignore[attr-defined]
     assert options == {"realize_reads_threshold": 1}
     assert calls[-1]["fullgraph"] is True and calls[-1]["backend"] == "inductor"
     assert calls[-1]["options"]["realize_reads_threshold"] == 1
     assert calls[-1]["options"]["cpp_wrapper"] is True  # a CPU-only machine: the wrapper in C++
     assert calls[-1]["options"]["max_fusion_buffer_group_pairwise_attempts"] == 8
-    fmp.compile(step, options={"max_fusion_buffer_group_pairwise_attempts": 64})
+    fmp.compile(_identity, options={"max_fusion_buffer_group_pairwise_attempts": 64})
     assert calls[-1]["options"]["max_fusion_buffer_group_pairwise_attempts"] == 64
-    fmp.compile(step, options={"cpp_wrapper": False})
+    fmp.compile(_identity, options={"cpp_wrapper": False})
     assert calls[-1]["options"]["cpp_wrapper"] is False
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
-    fmp.compile(step)
+    fmp.compile(_identity)
     assert "cpp_wrapper" not in calls[-1]["options"]
     assert callable(calls[-1]["options"]["guard_filter_fn"])
-    fmp.compile(step, mode="max-autotune-no-cudagraphs", fullgraph=False)
+    fmp.compile(_identity, mode="max-autotune-no-cudagraphs", fullgraph=False)
     assert calls[-1]["fullgraph"] is False and calls[-1]["options"]["max_autotune"] is True
     assert "mode" not in calls[-1]
 
@@ -199,7 +206,7 @@ def test_options_and_mode_reach_torch_compile_with_the_filter_and_the_callers_di
 
     assert decorated.__wrapped__.__name__ == "decorated"  # type: ignore[attr-defined]
     assert calls[-1]["options"]["realize_reads_threshold"] == 2 and calls[-1]["fullgraph"] is True
-    fmp.compile(step, backend="eager", mode="default", disable=True)
+    fmp.compile(_identity, backend="eager", mode="default", disable=True)
     assert set(calls[-1]["options"]) == {"guard_filter_fn"} and calls[-1]["disable"] is True
 
 
@@ -282,11 +289,10 @@ def test_a_step_compiled_again_comes_from_aot_autograds_cache_with_torch_autocas
     x, y = _batches(1)[0]
     aot = torch._dynamo.utils.counters["aot_autograd"]
     results = []
-    caches_on = (
+    with (  # the caches on, whatever the environment says
         torch._functorch.config.patch(enable_autograd_cache=True),
         torch._inductor.config.patch(fx_graph_cache=True, force_disable_caches=False),
-    )
-    with caches_on[0], caches_on[1]:  # whatever the environment says
+    ):
         for _ in range(2):
             torch._dynamo.reset()  # the second compile traces anew and looks the graph up in the caches
             hits, bypasses = aot["autograd_cache_hit"], aot["autograd_cache_bypass"]
@@ -300,55 +306,47 @@ def test_a_step_compiled_again_comes_from_aot_autograds_cache_with_torch_autocas
 
 
 def test_the_autocast_calls_are_marked_cacheable_beside_the_callers_own(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
-
-    def step(x: torch.Tensor) -> torch.Tensor:
-        return x
+    calls = _recorded_compiles(monkeypatch)
 
     autocast_calls = {"torch.amp.autocast_mode._enter_autocast", "torch.amp.autocast_mode._exit_autocast"}
-    fmp.compile(step)
+    fmp.compile(_identity)
     assert set(calls[-1]["options"]["unsafe_marked_cacheable_functions"]) == autocast_calls
     mine = {"torch.ops.mine.op": "1"}
     options = {"unsafe_marked_cacheable_functions": mine}
-    fmp.compile(step, options=options)
+    fmp.compile(_identity, options=options)
     assert options == {"unsafe_marked_cacheable_functions": {"torch.ops.mine.op": "1"}}
     assert calls[-1]["options"]["unsafe_marked_cacheable_functions"].keys() == autocast_calls | set(mine)
     with torch._inductor.config.patch(unsafe_marked_cacheable_functions=mine):
-        fmp.compile(step)  # one set in Inductor's config is kept too
+        fmp.compile(_identity)  # one set in Inductor's config is kept too
     assert calls[-1]["options"]["unsafe_marked_cacheable_functions"].keys() == autocast_calls | set(mine)
-    fmp.compile(step, backend="eager")
+    fmp.compile(_identity, backend="eager")
     assert "unsafe_marked_cacheable_functions" not in calls[-1]["options"]
 
 
 def test_fmps_pool_indices_pass_runs_before_the_callers_own_inductor_passes(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: calls.append(kwargs) or fn)
-
-    def step(x: torch.Tensor) -> torch.Tensor:
-        return x
+    calls = _recorded_compiles(monkeypatch)
 
     def mine(graph: torch.fx.Graph) -> None:
         pass
 
-    fmp.compile(step)
+    fmp.compile(_identity)
     (ours,) = calls[-1]["options"]["post_grad_custom_post_pass"]
     assert isinstance(ours, fmp.RealizePoolIndices)
     options = {"post_grad_custom_post_pass": mine}
-    fmp.compile(step, options=options)
+    fmp.compile(_identity, options=options)
     assert options == {"post_grad_custom_post_pass": mine}
     assert [type(p) for p in calls[-1]["options"]["post_grad_custom_post_pass"]] == [fmp.RealizePoolIndices, type(mine)]
-    fmp.compile(step, options={"post_grad_custom_post_pass": [mine, mine]})
+    fmp.compile(_identity, options={"post_grad_custom_post_pass": [mine, mine]})
     assert calls[-1]["options"]["post_grad_custom_post_pass"][1:] == [mine, mine]
     with torch._inductor.config.patch(post_grad_custom_post_pass=mine):
-        fmp.compile(step)  # one set in Inductor's config runs too
+        fmp.compile(_identity)  # one set in Inductor's config runs too
     assert calls[-1]["options"]["post_grad_custom_post_pass"][1:] == [mine]
     theirs = fmp.RealizePoolIndices()
-    fmp.compile(step, options={"post_grad_custom_post_pass": [mine, theirs]})  # given already: once
+    fmp.compile(_identity, options={"post_grad_custom_post_pass": [mine, theirs]})  # given already: once
     assert calls[-1]["options"]["post_grad_custom_post_pass"] == [mine, theirs]
-    fmp.compile(step, options={"post_grad_custom_post_pass": None})  # no post-grad pass at all
+    fmp.compile(_identity, options={"post_grad_custom_post_pass": None})  # no post-grad pass at all
     assert calls[-1]["options"]["post_grad_custom_post_pass"] is None
-    fmp.compile(step, backend="eager")
+    fmp.compile(_identity, backend="eager")
     assert "post_grad_custom_post_pass" not in calls[-1]["options"]
 
 
