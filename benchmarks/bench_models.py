@@ -35,7 +35,10 @@ rounds show what a step costs on its own):
                           fmp.compile drops; on a CPU the graph's Python wrapper, which
                           fmp.compile generates as C++ there (cpp_wrapper); and max pooling's
                           argmax recomputed in the backward kernel, where fmp.compile's
-                          RealizePoolIndices pass has Inductor write it once
+                          RealizePoolIndices pass has Inductor write it once. On an AVX-512 CPU with
+                          torch 2.13 the Python wrapper's build was seen to compute wrong BatchNorm
+                          gradients for resnet_cnn (docs/how-to/performance-tuning.md): its last
+                          loss shows it
 
 The compute dtype is bfloat16 on a CPU and float16 on CUDA (torch.amp's usual GPU recipe, where
 loss scaling matters); --dtype overrides it. Compiled rows also print their first call's time

@@ -22,6 +22,7 @@ skips tracing the step's joint graph again.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -62,6 +63,15 @@ _IDENTITY_GUARDS = frozenset(
     }
 )
 
+
+# Seen with torch 2.13 on a CPU: the Python-wrapper build of a whole step gave wrong gradients.
+_PYTHON_WRAPPER_ON_CPU = (
+    "fmp.compile: options={'cpp_wrapper': False} on a machine without an accelerator: with torch 2.13, "
+    "a whole step built with Inductor's Python wrapper was seen to compute wrong BatchNorm gradients in "
+    "bfloat16 with AVX-512 code on more than one thread. Keep the C++ wrapper, or check the gradients against "
+    "an eager step; "
+    "see fmp's docs, how-to/performance-tuning"
+)
 
 # Fusion candidates tried per kernel among those sharing a buffer (Inductor's default: 64).
 _FUSION_PAIRS = 8
@@ -167,10 +177,13 @@ def compile(
     `fullgraph=True`); so compiling one function twice compiles it twice. A module is compiled as
     torch.compile compiles it. With the inductor backend on a machine without an accelerator, it
     also sets Inductor's `cpp_wrapper` unless `options` do: the graph's kernels are called from
-    generated C++ rather than Python. With the inductor backend, torch.autocast's enter and exit,
-    which a step on torch's own rules calls inside its graph, are marked cacheable beside any the
-    caller marked (`unsafe_marked_cacheable_functions`): their arguments are constants of the
-    graph, and without the mark AOTAutograd's cache passes such a graph over. And unless `options`
+    generated C++ rather than Python; `options={"cpp_wrapper": False}` there warns (but for a
+    module), as torch 2.13's Python-wrapper build of a whole step was seen to compute wrong gradients
+    ([Performance and memory tuning](../how-to/performance-tuning.md)). With the inductor
+    backend, torch.autocast's enter and exit, which a step on torch's own rules calls inside its
+    graph, are marked cacheable beside any the caller marked (`unsafe_marked_cacheable_functions`):
+    their arguments are constants of the graph, and without the mark AOTAutograd's cache passes
+    such a graph over. And unless `options`
     set it, Inductor tries 8 fusion partners per kernel among those sharing a buffer
     (`max_fusion_buffer_group_pairwise_attempts`, 64 by default): every param's update reads the
     step's few scalars, so each of its kernels was tried against 64 others that cannot fuse with it.
@@ -198,21 +211,30 @@ def compile(
             callable.
         ValueError: If `mode` is unknown, or given with a backend other than inductor; and at the
             first call, if a `guard_filter_fn` in `options` answers for another number of guards.
+
+    Warns:
+        UserWarning: With the inductor backend on a machine without an accelerator, if `options`
+            set `cpp_wrapper` to False for a function (see above).
     """
     if fn is None:
 
         def decorate(function: F) -> F:
-            return compile(
-                function,
-                fullgraph=fullgraph,
-                dynamic=dynamic,
-                backend=backend,
-                mode=mode,
-                options=options,
-                **compile_kwargs,
-            )
+            return _compiled(function, fullgraph, dynamic, backend, mode, options, compile_kwargs)
 
         return decorate
+    return _compiled(fn, fullgraph, dynamic, backend, mode, options, compile_kwargs)
+
+
+def _compiled(
+    fn: F,
+    fullgraph: bool,
+    dynamic: bool | None,
+    backend: str | Callable[..., Any],
+    mode: str | None,
+    options: dict[str, Any] | None,
+    compile_kwargs: dict[str, Any],
+) -> F:
+    """`compile`'s work, called from `compile` itself or from its decorator (so a warning names the caller's line)."""
     if not callable(fn):
         raise TypeError(f"fmp.compile: fn must be callable, got {type(fn).__name__}")
     if options is not None and not isinstance(options, dict):
@@ -231,10 +253,11 @@ def compile(
     merged.update(options or {})
     merged["guard_filter_fn"] = _keep_untrusted(merged.get("guard_filter_fn"))
     if backend == "inductor":
-        if not torch.accelerator.is_available():
-            # Everything runs on the CPU: the graph's Python wrapper (buffer allocation, kernel
-            # calls) is generated as C++, the same kernels called with less overhead per step.
-            merged.setdefault("cpp_wrapper", True)
+        # Everything runs on the CPU: the graph's Python wrapper (buffer allocation, kernel calls)
+        # is generated as C++, the same kernels called with less overhead per step.
+        python_wrapper = not torch.accelerator.is_available() and merged.setdefault("cpp_wrapper", True) is False
+        if python_wrapper and not isinstance(fn, torch.nn.Module):  # a model's passes compile apart
+            warnings.warn(_PYTHON_WRAPPER_ON_CPU, UserWarning, stacklevel=3)
         # Inductor tries to fuse each kernel with the next 64 that use one of its buffers; in a
         # whole step every param's update reads the same few scalars (scale, skip flag, step
         # sizes), so each update kernel met 64 others it cannot fuse with: a quarter of a cold
