@@ -69,8 +69,7 @@ _PYTHON_WRAPPER_ON_CPU = (
     "fmp.compile: options={'cpp_wrapper': False} on a machine without an accelerator: with torch 2.13, "
     "a whole step built with Inductor's Python wrapper was seen to compute wrong BatchNorm gradients in "
     "bfloat16 with AVX-512 code on more than one thread. Keep the C++ wrapper, or check the gradients against "
-    "an eager step; "
-    "see fmp's docs, how-to/performance-tuning"
+    "an eager step; see fmp's docs, how-to/performance-tuning"
 )
 
 # Fusion candidates tried per kernel among those sharing a buffer (Inductor's default: 64).
@@ -183,10 +182,10 @@ def compile(
     backend, torch.autocast's enter and exit, which a step on torch's own rules calls inside its
     graph, are marked cacheable beside any the caller marked (`unsafe_marked_cacheable_functions`):
     their arguments are constants of the graph, and without the mark AOTAutograd's cache passes
-    such a graph over. And unless `options`
-    set it, Inductor tries 8 fusion partners per kernel among those sharing a buffer
-    (`max_fusion_buffer_group_pairwise_attempts`, 64 by default): every param's update reads the
-    step's few scalars, so each of its kernels was tried against 64 others that cannot fuse with it.
+    such a graph over. And unless `options` set it, Inductor tries 8 fusion partners per kernel
+    among those sharing a buffer (`max_fusion_buffer_group_pairwise_attempts`, 64 by default):
+    every param's update reads the step's few scalars, so each of its kernels was tried against 64
+    others that cannot fuse with it.
 
     Args:
         fn: The function to compile, e.g. `functools.partial(fmp.train_step, loss_fn, ...)`; without
@@ -253,11 +252,12 @@ def _compiled(
     merged.update(options or {})
     merged["guard_filter_fn"] = _keep_untrusted(merged.get("guard_filter_fn"))
     if backend == "inductor":
-        # Everything runs on the CPU: the graph's Python wrapper (buffer allocation, kernel calls)
-        # is generated as C++, the same kernels called with less overhead per step.
-        python_wrapper = not torch.accelerator.is_available() and merged.setdefault("cpp_wrapper", True) is False
-        if python_wrapper and not isinstance(fn, torch.nn.Module):  # a model's passes compile apart
-            warnings.warn(_PYTHON_WRAPPER_ON_CPU, UserWarning, stacklevel=3)
+        if not torch.accelerator.is_available():
+            # Everything runs on the CPU: the graph's Python wrapper (buffer allocation, kernel
+            # calls) is generated as C++, the same kernels called with less overhead per step.
+            merged.setdefault("cpp_wrapper", True)
+            if merged["cpp_wrapper"] is False and not isinstance(fn, torch.nn.Module):  # a model's passes compile apart
+                warnings.warn(_PYTHON_WRAPPER_ON_CPU, UserWarning, stacklevel=3)
         # Inductor tries to fuse each kernel with the next 64 that use one of its buffers; in a
         # whole step every param's update reads the same few scalars (scale, skip flag, step
         # sizes), so each update kernel met 64 others it cannot fuse with: a quarter of a cold
