@@ -16,7 +16,8 @@ Inductor generates the graph's wrapper as C++ (`cpp_wrapper`), which calls the s
 less overhead per call; Inductor writes max pooling's argmax to memory where a whole-step
 graph would compute it again in the backward pass (`RealizePoolIndices`); and AOTAutograd's cache
 keeps a graph that enters torch.autocast (fmp's regions on torch's own rules), so a warm cache
-skips tracing the step's joint graph again.
+skips tracing the step's joint graph again. A large graph's C++ wrapper is built apart from its
+kernels, at -O1 (`BuildLargeWrapperApart`), which halves a deep model's cold compile.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch._dynamo.types import GuardFilterEntry
 from torch.amp import autocast_mode
 
 from fmp._pool_indices import RealizePoolIndices
+from fmp._wrapper_build import BuildLargeWrapperApart
 
 __all__ = ["compile", "trusted_guard"]
 
@@ -178,7 +180,11 @@ def compile(
     also sets Inductor's `cpp_wrapper` unless `options` do: the graph's kernels are called from
     generated C++ rather than Python; `options={"cpp_wrapper": False}` there warns (but for a
     module), as torch 2.13's Python-wrapper build of a whole step was seen to compute wrong gradients
-    ([Performance and memory tuning](../how-to/performance-tuning.md)). With the inductor
+    ([Performance and memory tuning](../how-to/performance-tuning.md)). There, unless `options` (or
+    Inductor's config) set `cpp_wrapper_build_separate`, a function's graph of more than 4000 calls
+    after Inductor's passes has its wrapper built apart from its kernels, at -O1: a deep model's
+    whole step then compiles in about half the time, its steps as fast or up to 2% slower, where a
+    small graph's step can run a few percent slower so built (`BuildLargeWrapperApart`). With the inductor
     backend, torch.autocast's enter and exit, which a step on torch's own rules calls inside its
     graph, are marked cacheable beside any the caller marked (`unsafe_marked_cacheable_functions`):
     their arguments are constants of the graph, and without the mark AOTAutograd's cache passes
@@ -251,6 +257,7 @@ def _compiled(
             raise ValueError(f"fmp.compile: {error}") from None
     merged.update(options or {})
     merged["guard_filter_fn"] = _keep_untrusted(merged.get("guard_filter_fn"))
+    wrapper_by_size = False
     if backend == "inductor":
         if not torch.accelerator.is_available():
             # Everything runs on the CPU: the graph's Python wrapper (buffer allocation, kernel
@@ -258,6 +265,16 @@ def _compiled(
             merged.setdefault("cpp_wrapper", True)
             if merged["cpp_wrapper"] is False and not isinstance(fn, torch.nn.Module):  # a model's passes compile apart
                 warnings.warn(_PYTHON_WRAPPER_ON_CPU, UserWarning, stacklevel=3)
+            # A large graph's wrapper is built apart, at -O1 (see BuildLargeWrapperApart), unless the
+            # caller chose; the key goes in the options so that the pass's choice reverts with them.
+            wrapper_by_size = (
+                merged["cpp_wrapper"] is True
+                and not isinstance(fn, torch.nn.Module)
+                and "cpp_wrapper_build_separate" not in merged
+                and not torch._inductor.config.cpp_wrapper_build_separate
+            )
+            if wrapper_by_size:
+                merged["cpp_wrapper_build_separate"] = False
         # Inductor tries to fuse each kernel with the next 64 that use one of its buffers; in a
         # whole step every param's update reads the same few scalars (scale, skip flag, step
         # sizes), so each update kernel met 64 others it cannot fuse with: a quarter of a cold
@@ -266,7 +283,10 @@ def _compiled(
         theirs = merged.get("post_grad_custom_post_pass", torch._inductor.config.post_grad_custom_post_pass)
         opted_out = "post_grad_custom_post_pass" in merged and theirs is None
         if not opted_out:
-            merged["post_grad_custom_post_pass"] = _after_pool_indices(theirs)
+            passes = _after_pool_indices(theirs)
+            if wrapper_by_size and not any(isinstance(each, BuildLargeWrapperApart) for each in passes):
+                passes.append(BuildLargeWrapperApart())
+            merged["post_grad_custom_post_pass"] = passes
         cacheable = "unsafe_marked_cacheable_functions"
         marked = merged.get(cacheable, torch._inductor.config.unsafe_marked_cacheable_functions)
         merged[cacheable] = {**_AUTOCAST_IN_GRAPH, **marked}

@@ -23,6 +23,7 @@ from torch._dynamo.source import GlobalSource
 from torch._dynamo.source import LocalSource
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.types import GuardFilterEntry
+from torch._inductor.utils import fresh_cache
 
 import fmp
 
@@ -332,6 +333,7 @@ def test_the_autocast_calls_are_marked_cacheable_beside_the_callers_own(monkeypa
 
 def test_fmps_pool_indices_pass_runs_before_the_callers_own_inductor_passes(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _recorded_compiles(monkeypatch)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)  # no wrapper-sizing pass (tested below)
 
     def mine(graph: torch.fx.Graph) -> None:
         pass
@@ -355,6 +357,86 @@ def test_fmps_pool_indices_pass_runs_before_the_callers_own_inductor_passes(monk
     assert calls[-1]["options"]["post_grad_custom_post_pass"] is None
     fmp.compile(_identity, backend="eager")
     assert "post_grad_custom_post_pass" not in calls[-1]["options"]
+
+
+def test_fmp_compile_sizes_a_functions_wrapper_build_on_a_cpu_unless_the_caller_chose(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = _recorded_compiles(monkeypatch)
+
+    def passes() -> list[type]:
+        return [type(p) for p in calls[-1]["options"]["post_grad_custom_post_pass"]]
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    fmp.compile(_identity)
+    assert passes() == [fmp.RealizePoolIndices, fmp.BuildLargeWrapperApart]
+    assert calls[-1]["options"]["cpp_wrapper_build_separate"] is False  # patched, so the pass's choice reverts
+    (sizing,) = calls[-1]["options"]["post_grad_custom_post_pass"][1:]
+    assert sizing.calls == 4000
+    for chosen in (True, False):
+        fmp.compile(_identity, options={"cpp_wrapper_build_separate": chosen})
+        assert passes() == [fmp.RealizePoolIndices] and calls[-1]["options"]["cpp_wrapper_build_separate"] is chosen
+    with torch._inductor.config.patch(cpp_wrapper_build_separate=True):  # chosen in Inductor's config
+        fmp.compile(_identity)
+    assert passes() == [fmp.RealizePoolIndices] and "cpp_wrapper_build_separate" not in calls[-1]["options"]
+    theirs = fmp.BuildLargeWrapperApart(10)
+    fmp.compile(_identity, options={"post_grad_custom_post_pass": theirs})  # given already: theirs only
+    assert calls[-1]["options"]["post_grad_custom_post_pass"][1:] == [theirs]
+    with pytest.warns(UserWarning, match="cpp_wrapper"):
+        fmp.compile(_identity, options={"cpp_wrapper": False})  # no C++ wrapper to build
+    assert passes() == [fmp.RealizePoolIndices]
+    fmp.compile(nn.Linear(2, 2))  # a model's forward and backward: compiled as torch.compile compiles them
+    assert passes() == [fmp.RealizePoolIndices]
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    fmp.compile(_identity)
+    assert passes() == [fmp.RealizePoolIndices] and "cpp_wrapper_build_separate" not in calls[-1]["options"]
+
+
+def _wrapper_builds(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each C++ wrapper Inductor loads from now on was built apart from its kernels."""
+    from torch._inductor.codecache import CppWrapperCodeCache
+
+    built: list[bool] = []
+    load = CppWrapperCodeCache.load_pybinding_async
+
+    def recording(cls: type, *args: Any, **kwargs: Any) -> Any:
+        built.append(kwargs.get("kernel_code") is not None)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(CppWrapperCodeCache, "load_pybinding_async", classmethod(recording))
+    return built
+
+
+def _sin_plus_one(x: torch.Tensor) -> torch.Tensor:
+    return (x * 2).sin() + 1
+
+
+@pytest.mark.compiled
+def test_a_graph_past_the_size_builds_its_wrapper_apart_and_inductors_config_reverts_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    built = _wrapper_builds(monkeypatch)
+    x = torch.randn(8, 8)
+
+    def compiled(calls: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        options = {
+            "cpp_wrapper": True,
+            "cpp_wrapper_build_separate": False,
+            "post_grad_custom_post_pass": fmp.BuildLargeWrapperApart(calls),
+        }
+        torch._dynamo.reset()
+        return torch.compile(_sin_plus_one, fullgraph=True, options=options)
+
+    with fresh_cache():  # every call below compiles
+        torch.testing.assert_close(compiled(0)(x), _sin_plus_one(x))  # 3 calls > 0: apart
+        torch.testing.assert_close(compiled(3)(x), _sin_plus_one(x))  # 3 calls, not more: together
+        assert built == [True, False]
+        assert torch._inductor.config.cpp_wrapper_build_separate is False
+        # A training graph's backward may compile after the options are gone: left alone.
+        leaf = x.clone().requires_grad_()
+        compiled(0)(leaf).sum().backward()
+        assert built[2:] == [False, False] and torch.allclose(leaf.grad, 2 * torch.cos(2 * x))
+    torch._dynamo.reset()
 
 
 class _Pools(nn.Module):
@@ -514,11 +596,13 @@ def _largest_relative_difference(expected: dict[str, torch.Tensor], actual: dict
 
 
 @pytest.mark.compiled
+@pytest.mark.parametrize("options", [None, {"cpp_wrapper_build_separate": True}], ids=["together", "wrapper-apart"])
 def test_a_compiled_batchnorm_cnn_step_has_torch_compiles_gradients_in_bfloat16(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, options: dict[str, Any] | None
 ) -> None:
-    """fmp.compile's whole-step graph (its C++ wrapper on a CPU) differentiates as torch.compile(model) does."""
-    expected, ours = _resnet_gradients(monkeypatch)
+    """fmp.compile's whole-step graph (its C++ wrapper on a CPU, built with the kernels or apart) differentiates
+    as torch.compile(model) does."""
+    expected, ours = _resnet_gradients(monkeypatch, options=options)
     assert _largest_relative_difference(expected, ours) < 0.05  # 0.014 measured; eager is 0.25 away
 
 
