@@ -39,6 +39,14 @@ rounds show what a step costs on its own):
                           torch 2.13 the Python wrapper's build was seen to compute wrong BatchNorm
                           gradients for resnet_cnn (docs/how-to/performance-tuning.md): its last
                           loss shows it
+  fmp eager, float32 attention
+  fmp donated, float32 attention
+                          CPU only: fmp eager and fmp donated with the CPU rules changed for one op,
+                          scaled_dot_product_attention kept in float32 (an fmp.autocast override, so
+                          eager on fmp's per-op mode): torch 2.13's bfloat16 attention kernel on a
+                          CPU is several times slower than its float32 one. A recipe of fmp's, where
+                          torch.amp would need the model's attention code changed; on resnet_cnn,
+                          which has no attention, only the eager mode's cost shows
 
 The compute dtype is bfloat16 on a CPU and float16 on CUDA (torch.amp's usual GPU recipe, where
 loss scaling matters); --dtype overrides it. Compiled rows also print their first call's time
@@ -119,6 +127,8 @@ SIZES: dict[str, dict[str, tuple[dict[str, int], dict[str, int]]]] = {
         "llama": (_LM_GPU, {"batch_size": 32, "seq_len": 128, "vocab": 8192}),
     },
 }
+# The CPU rules with attention kept in float32: torch's bfloat16 attention kernel is the slower there.
+FLOAT32_ATTENTION = {"scaled_dot_product_attention": torch.float32}
 EAGER_REF, COMPILED_REF = "torch.amp eager", "torch.amp compiled"  # the rows ratios divide by
 FUSED_REF = "torch.amp eager, fused"  # CPU: the peer of fmp's fused optimizer (CUDA's eager row is fused)
 
@@ -166,9 +176,11 @@ def fmp_contender(
     mode: str | None,
     fused: bool = False,
     options: dict[str, Any] | None = None,
+    overrides: dict[str, torch.dtype] | None = None,
 ) -> Contender:
     """fmp.train_step: `mode` None (eager), "compiled" or "donated" (donate=True) by fmp.compile with Inductor
-    `options`, or "torch.compile" (donated, by torch.compile(fullgraph=True))."""
+    `options`, or "torch.compile" (donated, by torch.compile(fullgraph=True)); with `overrides`, the loss
+    function runs under fmp.autocast with `rules` changed by them, and the policy casts nothing whole."""
     device = next(model.parameters()).device
     params, buffers = fmp.nn.split(model)
 
@@ -177,6 +189,9 @@ def fmp_contender(
 
     compute = str(dtype).removeprefix("torch.")
     policy = fmp.get_policy(f"params=float32,compute={compute},output=float32,rules={rules}")
+    if overrides:
+        loss_fn = fmp.autocast.autocast(loss_fn, dtype, rules=rules, overrides=overrides)
+        policy = fmp.get_policy("params=float32,compute=float32,output=float32")
     optimizer = fmp.optim.adamw(LR, fused=fused)
     scaler = fmp.DynamicLossScale.create(device=device)
     state = fmp.TrainState.create(params, optimizer, scaler, model_state=buffers)
@@ -219,6 +234,13 @@ def build_contenders(model: nn.Module, device: torch.device, dtype: torch.dtype)
     contenders["fmp compiled"] = fmp_contender(fresh(), dtype, rules, mode="compiled")
     contenders["fmp donated"] = fmp_contender(fresh(), dtype, rules, mode="donated")
     contenders["fmp donated, torch.compile"] = fmp_contender(fresh(), dtype, rules, mode="torch.compile")
+    if device.type == "cpu":
+        contenders["fmp eager, float32 attention"] = fmp_contender(
+            fresh(), dtype, rules, mode=None, overrides=FLOAT32_ATTENTION
+        )
+        contenders["fmp donated, float32 attention"] = fmp_contender(
+            fresh(), dtype, rules, mode="donated", overrides=FLOAT32_ATTENTION
+        )
     return contenders
 
 
@@ -343,7 +365,7 @@ def run_model(
     what = f"{name}'s machinery ({len(fmp.nn.split(model)[0])} params)" if machinery else name
     print(f"\n{what}: {n_params / 1e6:.2f} M params, {sizes}, {steps} steps x {rounds} rounds")
     print(
-        f"  {'contender':>21}  {'ms/step':>8}  {'ratio':>5}  {'best ms':>8}  {'ratio':>5}  {'peak MB':>8}  "
+        f"  {'contender':>30}  {'ms/step':>8}  {'ratio':>5}  {'best ms':>8}  {'ratio':>5}  {'peak MB':>8}  "
         f"{'mem ratio':>9}  {'first call, graphs':>18}  {'last loss':>9}"
     )
     rows = {}
@@ -354,7 +376,7 @@ def run_model(
         peak = f"{peaks[label] / 1e6:8.1f}  {peaks[label] / peaks[c.reference]:9.2f}"
         first = f"{c.first_call:6.1f} s, {c.graphs:>3}" if c.compiled else ""
         print(
-            f"  {label:>21}  {median * 1e3:8.2f}  {ratio:5.2f}  {best * 1e3:8.2f}  {best_ratio:5.2f}  {peak}  "
+            f"  {label:>30}  {median * 1e3:8.2f}  {ratio:5.2f}  {best * 1e3:8.2f}  {best_ratio:5.2f}  {peak}  "
             f"{first:>18}  {c.loss:9.4f}"
         )
         rows[label] = {

@@ -21,6 +21,7 @@ from conftest import assert_trees_bitwise_equal
 from conftest import assert_trees_close
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fmp
 
@@ -398,3 +399,71 @@ def test_skipped_step_keeps_params_and_moves_batchnorm_statistics_as_torch_amp()
     assert run.scales == expected.scales == [2.0**16, 2.0**17, 2.0**16, 2.0**17]
     assert_trees_bitwise_equal(run.losses[::2], expected.losses[::2])
     assert_trees_bitwise_equal(run.snapshots, expected.snapshots)
+
+
+# 6. One op changed: attention in float32, as torch.amp gets it only by editing the model's code.
+
+FLOAT32_ATTENTION = {"scaled_dot_product_attention": torch.float32}
+# The cast is in the loss function, so the policy casts nothing whole.
+NO_WHOLE_CAST = fmp.get_policy("params=float32,compute=float32,output=float32")
+_ATTENTION = torch.nn.functional.scaled_dot_product_attention
+_ATTENTION_OP = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def _attention_in_float32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """What a torch.amp user writes into the model: attention outside autocast, on float32 inputs."""
+    with torch.autocast("cpu", enabled=False):
+        return _ATTENTION(q.float(), k.float(), v.float(), *args, **kwargs)
+
+
+class _InputDtypes(TorchDispatchMode):
+    """The dtypes of the first input of each aten op called while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[Any, set[torch.dtype]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if args and isinstance(args[0], torch.Tensor):
+            self.seen.setdefault(func, set()).add(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def _float32_attention_step(model: nn.Module) -> Callable[..., tuple[fmp.TrainState, fmp.StepInfo]]:
+    loss_fn = fmp.autocast.autocast(loss_fn_of(model), torch.bfloat16, rules="cpu", overrides=FLOAT32_ATTENTION)
+    return functools.partial(fmp.train_step, loss_fn, policy=NO_WHOLE_CAST, optimizer=fmp_optimizer(model))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_attention_kept_in_float32_trains_as_torch_amp_with_the_models_attention_edited(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    zoo_case = zoo.case(name)
+    model = build(zoo_case)
+    batches = draw_batches(zoo_case)
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.nn.functional, "scaled_dot_product_attention", _attention_in_float32)
+        expected = torch_amp_run(model, batches)
+    dtypes = _InputDtypes()
+    with dtypes:
+        run, _, infos = fmp_run(initial_state(model, fmp_optimizer(model)), _float32_attention_step(model), batches)
+    assert dtypes.seen[_ATTENTION_OP] == {torch.float32}
+    assert torch.bfloat16 in dtypes.seen[torch.ops.aten.mm.default]  # the projections stay in bfloat16
+    assert all(bool(info.applied) for info in infos)
+    assert run.scales == expected.scales
+    assert_trees_close(run.losses, expected.losses, **LOSS_TOLERANCE)
+    assert_trees_close(run.snapshots[-1], expected.snapshots[-1], **BF16)
+
+
+@pytest.mark.compiled
+def test_attention_kept_in_float32_compiles_to_one_graph() -> None:
+    zoo_case = zoo.case("gpt2")
+    model = build(zoo_case)
+    batches = draw_batches(zoo_case)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_float32_attention_step(model), backend=counter, fullgraph=True)
+    run, _, infos = fmp_run(initial_state(model, fmp_optimizer(model)), compiled, batches)
+    eager, _, _ = fmp_run(initial_state(model, fmp_optimizer(model)), _float32_attention_step(model), batches)
+    assert counter.frame_count == 1 and all(bool(info.applied) for info in infos)
+    assert_trees_close(run.losses, eager.losses, **LOSS_TOLERANCE)
