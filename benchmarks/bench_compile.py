@@ -9,7 +9,7 @@ arithmetic, sets the compile time) at each of --layers, compiled by two contende
   fmp donated           fmp.train_step with AdamW and donate=True, compiled whole by fmp.compile
                         (forward, backward, unscale, check, update and the skip's select in one graph;
                         a graph of more than 4000 calls has its C++ wrapper built at -O1 apart from
-                        its kernels, fmp.BuildLargeWrapperApart)
+                        its kernels)
   fmp donated, wrapper together
                         the same with Inductor's cpp_wrapper_build_separate=False: wrapper and kernels
                         in one -O3 build, whatever the graph's size

@@ -42,7 +42,7 @@ rounds show what a step costs on its own):
   fmp eager, float32 attention
   fmp donated, float32 attention
                           CPU only: fmp eager and fmp donated with the CPU rules changed for one op,
-                          scaled_dot_product_attention kept in float32 (an fmp.autocast override, so
+                          scaled_dot_product_attention kept in float32 (Policy.with_overrides, so
                           eager on fmp's per-op mode): torch 2.13's bfloat16 attention kernel on a
                           CPU is several times slower than its float32 one. A recipe of fmp's, where
                           torch.amp would need the model's attention code changed; on resnet_cnn,
@@ -179,8 +179,8 @@ def fmp_contender(
     overrides: dict[str, torch.dtype] | None = None,
 ) -> Contender:
     """fmp.train_step: `mode` None (eager), "compiled" or "donated" (donate=True) by fmp.compile with Inductor
-    `options`, or "torch.compile" (donated, by torch.compile(fullgraph=True)); with `overrides`, the loss
-    function runs under fmp.autocast with `rules` changed by them, and the policy casts nothing whole."""
+    `options`, or "torch.compile" (donated, by torch.compile(fullgraph=True)); `overrides` change the policy's
+    `rules` op by op (`Policy.with_overrides`)."""
     device = next(model.parameters()).device
     params, buffers = fmp.nn.split(model)
 
@@ -190,8 +190,7 @@ def fmp_contender(
     compute = str(dtype).removeprefix("torch.")
     policy = fmp.get_policy(f"params=float32,compute={compute},output=float32,rules={rules}")
     if overrides:
-        loss_fn = fmp.autocast.autocast(loss_fn, dtype, rules=rules, overrides=overrides)
-        policy = fmp.get_policy("params=float32,compute=float32,output=float32")
+        policy = policy.with_overrides(overrides)
     optimizer = fmp.optim.adamw(LR, fused=fused)
     scaler = fmp.DynamicLossScale.create(device=device)
     state = fmp.TrainState.create(params, optimizer, scaler, model_state=buffers)

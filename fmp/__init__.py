@@ -47,7 +47,6 @@ from fmp._struct import resolve_annotations as _resolve_annotations
 from fmp._tree import all_finite
 from fmp._tree import cast_floating
 from fmp._tree import select_tree
-from fmp._wrapper_build import BuildLargeWrapperApart
 
 _resolve_annotations()  # every state class is defined by now
 
@@ -56,7 +55,6 @@ __version__ = "0.1.0"
 __all__ = [
     "OPTREE_NAMESPACE",
     "AccumulatedGradients",
-    "BuildLargeWrapperApart",
     "DynamicLossScale",
     "GradientAccumulator",
     "Gradients",

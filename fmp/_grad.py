@@ -100,7 +100,7 @@ def with_policy(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
 def _forward(loss_fn: LossFn, policy: Policy) -> LossFn:
     """`loss_fn` under the policy's compute dtype: op by op with rules, else with params and args cast whole."""
     if policy.casts_by_op:
-        return autocast(loss_fn, policy.compute_dtype, rules=cast(str, policy.rules))
+        return autocast(loss_fn, policy.compute_dtype, rules=cast(str, policy.rules), overrides=dict(policy.overrides))
 
     def cast_whole(params: Any, *args: Any) -> Any:
         return loss_fn(policy.cast_to_compute(params), *policy.cast_to_compute(args))

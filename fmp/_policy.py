@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 from typing import TypeVar
 
 import torch
 
 from fmp._tree import cast_floating
+from fmp.autocast._overrides import checked_override
 from fmp.autocast._rules import RULE_SETS
+from fmp.autocast._rules import Cast
 
 __all__ = ["Policy", "get_policy", "half_dtype"]
 
@@ -114,6 +118,9 @@ class Policy:
             float32, so `compute=float16` does not mean softmax in float16. None: jmp's
             semantics, params and floating inputs cast whole to `compute_dtype` before the loss
             function runs. A float32 or float64 `compute_dtype` casts whole either way.
+        overrides: Per-op changes of `rules`, as `fmp.autocast.autocast`'s `overrides`: sorted
+            `(op name, Cast or None)` pairs, set with `with_overrides`. With any, the loss function
+            runs on fmp's own per-op mode rather than on torch.autocast. Empty by default.
     """
 
     param_dtype: torch.dtype = torch.float32
@@ -121,15 +128,24 @@ class Policy:
     output_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype | None = None
     rules: str | None = _DEFAULT_RULES
+    overrides: tuple[tuple[str, Cast | None], ...] = ()
 
     def __post_init__(self) -> None:
         if self.rules is not None and (not isinstance(self.rules, str) or self.rules not in RULE_SETS):
             raise ValueError(
                 f"Policy.rules must be one of {sorted(RULE_SETS)} or None, got {self.rules!r}; for a rule set of "
-                f"your own, wrap the loss function in fmp.autocast.autocast(fn, dtype, rules=...) and use rules=None"
+                f"your own, wrap the loss function in fmp.autocast.autocast(fn, dtype, rules=...) and use a "
+                f"policy that casts nothing whole (compute dtype that of the params)"
             )
+        if self.overrides != _checked_overrides(dict(_pairs(self.overrides))):
+            raise ValueError(
+                f"Policy.overrides must be sorted (op name, Cast or None) pairs, got {self.overrides!r}; "
+                f"set them with policy.with_overrides({{op: rule}})"
+            )
+        if self.overrides and self.rules is None:
+            raise ValueError("Policy.overrides change a rule set, and rules=None casts whole: set rules too")
         for field in dataclasses.fields(self):
-            if field.name == "rules":
+            if field.name in ("rules", "overrides"):
                 continue
             dtype = getattr(self, field.name)
             if dtype is None and field.name == "reduce_dtype":
@@ -179,6 +195,30 @@ class Policy:
         """Returns a copy of this policy with `rules` replaced ("cuda", "cpu" or None)."""
         return dataclasses.replace(self, rules=rules)
 
+    def with_overrides(self, overrides: Mapping[Any, Cast | torch.dtype | None]) -> Policy:
+        """Returns a copy of this policy with `overrides` in place of its per-op changes of `rules`.
+
+        E.g. `policy.with_overrides({"scaled_dot_product_attention": torch.float32})` keeps
+        attention in float32 under torch's CPU rules (see the tuning guide).
+
+        Args:
+            overrides: Op (a torch function, its name such as "layer_norm", or its path such as
+                "torch.fft.rfft") -> a `fmp.autocast.Cast`, torch.float32 (`Cast.FLOAT32`), or None
+                for no cast. An empty mapping removes them.
+
+        Returns:
+            The new policy.
+
+        Raises:
+            TypeError: If `overrides` is not a mapping or a value is another dtype (use `Cast.LOWER`
+                for the compute dtype) or not a Cast.
+            ValueError: For an op no torch function has the name of, an in-place op, or a policy
+                with `rules=None`.
+        """
+        if not isinstance(overrides, Mapping):
+            raise TypeError(f"Policy.with_overrides takes a mapping of op to rule, got {type(overrides).__name__}")
+        return dataclasses.replace(self, overrides=_checked_overrides(overrides))
+
     def __str__(self) -> str:
         spec = (
             f"params={_dtype_name(self.param_dtype)},"
@@ -190,7 +230,38 @@ class Policy:
             spec += f",reduce={_dtype_name(self.reduce_dtype)}"
         if self.rules != _DEFAULT_RULES:
             spec += f",rules={str(self.rules).lower()}"
+        if self.overrides:
+            spec += ",overrides=" + "+".join(f"{name}:{_rule_name(rule)}" for name, rule in self.overrides)
         return spec
+
+
+def _pairs(overrides: Any) -> list[tuple[Any, Any]]:
+    """`overrides` as a list of pairs, or a ValueError naming what it is instead."""
+    if not isinstance(overrides, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in overrides):
+        raise ValueError(f"Policy.overrides must be a tuple of (op name, Cast or None) pairs, got {overrides!r}")
+    return list(overrides)
+
+
+def _checked_overrides(overrides: Mapping[Any, Any]) -> tuple[tuple[str, Cast | None], ...]:
+    """Overrides keyed by op name, float32 spelled `Cast.FLOAT32`, sorted: a policy's hashable form."""
+    checked: dict[str, Cast | None] = {}
+    for op, rule in overrides.items():
+        if rule is torch.float32:
+            rule = Cast.FLOAT32
+        if rule is not None and not isinstance(rule, Cast):
+            raise TypeError(
+                f"a Policy's override is a fmp.autocast.Cast, torch.float32 or None, got {rule!r} for {op!r}; "
+                f"Cast.LOWER casts to the compute dtype, and fmp.autocast.autocast takes other dtypes"
+            )
+        name = checked_override(op, rule)
+        if name in checked:
+            raise ValueError(f"Policy overrides name {name!r} twice")
+        checked[name] = rule
+    return tuple(sorted(checked.items()))
+
+
+def _rule_name(rule: Cast | None) -> str:
+    return "none" if rule is None else rule.value
 
 
 def get_policy(spec: str, *, device_type: str | torch.device | None = None) -> Policy:
@@ -200,7 +271,10 @@ def get_policy(spec: str, *, device_type: str | torch.device | None = None) -> P
     `compute`/`c` and `output`/`o`, plus fmp's `reduce`/`r` (the data-parallel gradient reduction,
     see `Policy.reduce_dtype`) and `rules` ("cuda", "cpu" or "none", see `Policy.rules`). Unset
     keys default as: params float32, compute follows params, output follows compute, reduce follows
-    params (None, also spelled "reduce=none"), rules "cuda". A bare dtype ("bf16") sets params,
+    params (None, also spelled "reduce=none"), rules "cuda". `overrides` lists per-op changes of the
+    rules as `op:rule` joined by "+" (`overrides=scaled_dot_product_attention:float32`; rules
+    "lower", "float32", "promote", "float32_unless_float16" or "none"; see
+    `Policy.with_overrides`). A bare dtype ("bf16") sets params,
     compute and output. Dtypes are spelled as in torch or jmp (float32, fp32, f32, full, float16,
     fp16, f16, bfloat16, bf16, float64, f64, ...) and "half" is the platform's 16-bit float (see
     `half_dtype`). Case and whitespace do not matter.
@@ -225,27 +299,32 @@ def get_policy(spec: str, *, device_type: str | torch.device | None = None) -> P
         return Policy(dtype, dtype, dtype)
     chosen: dict[str, torch.dtype] = {}
     rules: str | None = _DEFAULT_RULES
+    overrides: dict[str, Cast | None] = {}
     seen: set[str] = set()
     for part in spec.split(","):
         key, sep, value = part.partition("=")
         key = key.strip().lower()
         if not sep or not key or not value.strip():
             raise ValueError(f"malformed policy fragment {part.strip()!r} in {spec!r}; expected key=dtype")
-        if key not in _KEYS and key != "rules":
-            raise ValueError(f"unknown policy key {key!r} in {spec!r}; accepted: {', '.join([*_KEYS, 'rules'])}")
-        field = _KEYS.get(key, "rules")
+        if key not in _KEYS and key not in ("rules", "overrides"):
+            accepted = ", ".join([*_KEYS, "rules", "overrides"])
+            raise ValueError(f"unknown policy key {key!r} in {spec!r}; accepted: {accepted}")
+        field = _KEYS.get(key, key)
         if field in seen:
             raise ValueError(f"policy key for {field} given twice in {spec!r}")
         seen.add(field)
         if field == "rules":
             rules = _parse_rules(value)
+        elif field == "overrides":
+            overrides = _parse_overrides(value)
         elif field == "reduce_dtype" and value.strip().lower() == "none":
             continue  # spelled out: the reduction follows the params, the default
         else:
             chosen[field] = _parse_dtype(value, device_type)
     param = chosen.get("param_dtype", torch.float32)
     compute = chosen.get("compute_dtype", param)
-    return Policy(param, compute, chosen.get("output_dtype", compute), chosen.get("reduce_dtype"), rules)
+    policy = Policy(param, compute, chosen.get("output_dtype", compute), chosen.get("reduce_dtype"), rules)
+    return policy.with_overrides(overrides) if overrides else policy
 
 
 def _parse_rules(value: str) -> str | None:
@@ -255,3 +334,19 @@ def _parse_rules(value: str) -> str | None:
     if name not in RULE_SETS:
         raise ValueError(f"unknown autocast rules {value.strip()!r}; accepted: {', '.join([*RULE_SETS, 'none'])}")
     return name
+
+
+def _parse_overrides(value: str) -> dict[str, Cast | None]:
+    rules = {cast.value: cast for cast in Cast} | {"none": None}
+    parsed: dict[str, Cast | None] = {}
+    for item in value.split("+"):
+        op, sep, rule = item.partition(":")
+        op, rule = op.strip(), rule.strip().lower()
+        if not sep or not op or rule not in rules:
+            raise ValueError(
+                f"malformed policy override {item.strip()!r}; expected op:rule with rule one of {', '.join(rules)}"
+            )
+        if op in parsed:
+            raise ValueError(f"policy overrides name {op!r} twice")
+        parsed[op] = rules[rule]
+    return parsed

@@ -26,6 +26,7 @@ from torch._dynamo.types import GuardFilterEntry
 from torch._inductor.utils import fresh_cache
 
 import fmp
+from fmp._wrapper_build import BuildLargeWrapperApart
 
 POLICY = fmp.get_policy("params=float32,compute=bfloat16,output=float32,rules=cpu")
 ADAMW = fmp.optim.adamw(1e-3)
@@ -369,7 +370,7 @@ def test_fmp_compile_sizes_a_functions_wrapper_build_on_a_cpu_unless_the_caller_
 
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
     fmp.compile(_identity)
-    assert passes() == [fmp.RealizePoolIndices, fmp.BuildLargeWrapperApart]
+    assert passes() == [fmp.RealizePoolIndices, BuildLargeWrapperApart]
     assert calls[-1]["options"]["cpp_wrapper_build_separate"] is False  # patched, so the pass's choice reverts
     (sizing,) = calls[-1]["options"]["post_grad_custom_post_pass"][1:]
     assert sizing.calls == 4000
@@ -379,7 +380,7 @@ def test_fmp_compile_sizes_a_functions_wrapper_build_on_a_cpu_unless_the_caller_
     with torch._inductor.config.patch(cpp_wrapper_build_separate=True):  # chosen in Inductor's config
         fmp.compile(_identity)
     assert passes() == [fmp.RealizePoolIndices] and "cpp_wrapper_build_separate" not in calls[-1]["options"]
-    theirs = fmp.BuildLargeWrapperApart(10)
+    theirs = BuildLargeWrapperApart(10)
     fmp.compile(_identity, options={"post_grad_custom_post_pass": theirs})  # given already: theirs only
     assert calls[-1]["options"]["post_grad_custom_post_pass"][1:] == [theirs]
     with pytest.warns(UserWarning, match="cpp_wrapper"):
@@ -422,21 +423,23 @@ def test_a_graph_past_the_size_builds_its_wrapper_apart_and_inductors_config_rev
         options = {
             "cpp_wrapper": True,
             "cpp_wrapper_build_separate": False,
-            "post_grad_custom_post_pass": fmp.BuildLargeWrapperApart(calls),
+            "post_grad_custom_post_pass": BuildLargeWrapperApart(calls),
         }
         torch._dynamo.reset()
         return torch.compile(_sin_plus_one, fullgraph=True, options=options)
 
-    with fresh_cache():  # every call below compiles
-        torch.testing.assert_close(compiled(0)(x), _sin_plus_one(x))  # 3 calls > 0: apart
-        torch.testing.assert_close(compiled(3)(x), _sin_plus_one(x))  # 3 calls, not more: together
-        assert built == [True, False]
-        assert torch._inductor.config.cpp_wrapper_build_separate is False
-        # A training graph's backward may compile after the options are gone: left alone.
-        leaf = x.clone().requires_grad_()
-        compiled(0)(leaf).sum().backward()
-        assert built[2:] == [False, False] and torch.allclose(leaf.grad, 2 * torch.cos(2 * x))
-    torch._dynamo.reset()
+    try:
+        with fresh_cache():  # every call below compiles
+            torch.testing.assert_close(compiled(0)(x), _sin_plus_one(x))  # 3 calls > 0: apart
+            assert torch._inductor.config.cpp_wrapper_build_separate is False  # reverted with the options
+            torch.testing.assert_close(compiled(3)(x), _sin_plus_one(x))  # 3 calls, not more: together
+            assert built == [True, False]
+            # A training graph (a model's forward and backward) keeps torch.compile's build.
+            leaf = x.clone().requires_grad_()
+            compiled(0)(leaf).sum().backward()
+            assert built[2:] == [False, False] and torch.allclose(leaf.grad, 2 * torch.cos(2 * x))
+    finally:
+        torch._dynamo.reset()
 
 
 class _Pools(nn.Module):
@@ -596,7 +599,7 @@ def _largest_relative_difference(expected: dict[str, torch.Tensor], actual: dict
 
 
 @pytest.mark.compiled
-@pytest.mark.parametrize("options", [None, {"cpp_wrapper_build_separate": True}], ids=["together", "wrapper-apart"])
+@pytest.mark.parametrize("options", [None, {"cpp_wrapper_build_separate": True}], ids=["default", "wrapper-apart"])
 def test_a_compiled_batchnorm_cnn_step_has_torch_compiles_gradients_in_bfloat16(
     monkeypatch: pytest.MonkeyPatch, options: dict[str, Any] | None
 ) -> None:

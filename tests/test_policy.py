@@ -80,6 +80,50 @@ def test_str_round_trips(
     assert policy.casts_by_op == (rules is not None and compute in (torch.float16, torch.bfloat16))
 
 
+OVERRIDES = st.dictionaries(
+    st.sampled_from(["softmax", "layer_norm", "scaled_dot_product_attention", "matmul", "addcmul"]),
+    st.sampled_from([None, *fmp.autocast.Cast]),
+    max_size=3,
+)
+
+
+@given(OVERRIDES, st.sampled_from(["cuda", "cpu"]))
+def test_overrides_round_trip_through_str_and_hash_as_a_sorted_tuple(
+    overrides: dict[str, fmp.autocast.Cast | None], rules: str
+) -> None:
+    policy = fmp.get_policy(f"c=bf16,rules={rules}").with_overrides(overrides)
+    assert policy.overrides == tuple(sorted(overrides.items()))
+    assert fmp.get_policy(str(policy)) == policy and hash(fmp.get_policy(str(policy))) == hash(policy)
+    assert ("overrides=" in str(policy)) == bool(overrides)
+    assert policy.with_overrides({}) == fmp.get_policy(f"c=bf16,rules={rules}")
+
+
+def test_overrides_take_ops_as_autocast_does_and_name_what_is_wrong() -> None:
+    policy = fmp.get_policy("c=bf16,rules=cpu")
+    spelled = policy.with_overrides({torch.softmax: None, "scaled_dot_product_attention": torch.float32})
+    assert spelled.overrides == (("scaled_dot_product_attention", fmp.autocast.Cast.FLOAT32), ("softmax", None))
+    parsed = fmp.get_policy("c=bf16, rules=cpu, Overrides = softmax:NONE + scaled_dot_product_attention:float32")
+    assert parsed == spelled
+    with pytest.raises(ValueError, match=r"unknown op 'sofmax'.*softmax"):
+        policy.with_overrides({"sofmax": None})
+    with pytest.raises(TypeError, match=r"Cast, torch\.float32 or None, got torch\.bfloat16"):
+        policy.with_overrides({"softmax": torch.bfloat16})
+    with pytest.raises(TypeError, match="takes a mapping"):
+        policy.with_overrides([("softmax", None)])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="rules=None casts whole"):
+        policy.with_rules(None).with_overrides({"softmax": None})
+    with pytest.raises(ValueError, match="twice"):
+        policy.with_overrides({"softmax": None, torch.softmax: None})
+    with pytest.raises(ValueError, match="must be sorted"):
+        fmp.Policy(rules="cpu", overrides=(("softmax", None), ("layer_norm", None)))
+    with pytest.raises(ValueError, match="tuple of"):
+        fmp.Policy(overrides={"softmax": None})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="malformed policy override 'softmax:bf16'"):
+        fmp.get_policy("c=bf16,overrides=softmax:bf16")
+    with pytest.raises(ValueError, match="twice"):
+        fmp.get_policy("c=bf16,overrides=softmax:none+softmax:lower")
+
+
 def test_rules_parse_and_are_checked() -> None:
     assert fmp.get_policy("c=f16").rules == "cuda" and fmp.Policy().rules == "cuda"
     assert fmp.get_policy("c=f16, Rules = CPU").rules == "cpu"

@@ -71,6 +71,29 @@ def test_cpu_rules_train_bit_for_bit_as_torch_amp() -> None:
     assert_trees_bitwise_equal(state.params, {k: v.detach() for k, v in params.items()})
 
 
+def test_a_policys_overrides_change_one_op_as_autocasts_own_overrides_do() -> None:
+    policy = fmp.get_policy("params=float32,compute=bfloat16,output=float32,rules=cpu")
+    seen = recorded_dtypes(policy.with_overrides({"linear": torch.float32}))
+    assert seen == {"param": torch.float32, "input": torch.float32, "linear": torch.float32, "softmax": torch.float32}
+    assert recorded_dtypes(policy)["linear"] == torch.bfloat16
+    # A step on the policy's overrides is the step on autocast's with a policy that casts nothing whole.
+    overrides = {"softmax": None, "linear": torch.float32}
+    optimizer = fmp.optim.adamw(1e-2)
+    by_policy = functools.partial(
+        fmp.train_step, mlp_loss, policy=policy.with_overrides(overrides), optimizer=optimizer
+    )
+    by_hand = functools.partial(
+        fmp.train_step,
+        fmp.autocast.autocast(mlp_loss, torch.bfloat16, rules="cpu", overrides=overrides),
+        policy=fmp.get_policy("params=float32,compute=float32,output=float32"),
+        optimizer=optimizer,
+    )
+    states = [fmp.TrainState.create(mlp_params(), optimizer, fmp.DynamicLossScale.create()) for _ in range(2)]
+    for x, y in mlp_batches(4, 1):
+        states = [step(state, x, y)[0] for step, state in zip((by_policy, by_hand), states, strict=True)]
+    assert_trees_bitwise_equal(states[0], states[1])
+
+
 def test_step_info_loss_scale_is_on_the_step_device_for_no_op_scalers() -> None:
     state = fmp.TrainState.create(mlp_params(), fmp.optim.sgd(0.1), fmp.NoOpLossScale())
     _, info = fmp.train_step(

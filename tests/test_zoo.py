@@ -403,9 +403,7 @@ def test_skipped_step_keeps_params_and_moves_batchnorm_statistics_as_torch_amp()
 
 # 6. One op changed: attention in float32, as torch.amp gets it only by editing the model's code.
 
-FLOAT32_ATTENTION = {"scaled_dot_product_attention": torch.float32}
-# The cast is in the loss function, so the policy casts nothing whole.
-NO_WHOLE_CAST = fmp.get_policy("params=float32,compute=float32,output=float32")
+FLOAT32_ATTENTION = NATIVE.with_overrides({"scaled_dot_product_attention": torch.float32})
 _ATTENTION = torch.nn.functional.scaled_dot_product_attention
 _ATTENTION_OP = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
@@ -430,8 +428,7 @@ class _InputDtypes(TorchDispatchMode):
 
 
 def _float32_attention_step(model: nn.Module) -> Callable[..., tuple[fmp.TrainState, fmp.StepInfo]]:
-    loss_fn = fmp.autocast.autocast(loss_fn_of(model), torch.bfloat16, rules="cpu", overrides=FLOAT32_ATTENTION)
-    return functools.partial(fmp.train_step, loss_fn, policy=NO_WHOLE_CAST, optimizer=fmp_optimizer(model))
+    return eager_step(model, FLOAT32_ATTENTION)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
@@ -441,9 +438,11 @@ def test_attention_kept_in_float32_trains_as_torch_amp_with_the_models_attention
     zoo_case = zoo.case(name)
     model = build(zoo_case)
     batches = draw_batches(zoo_case)
-    with monkeypatch.context() as patched:
+    reference = _InputDtypes()
+    with monkeypatch.context() as patched, reference:
         patched.setattr(torch.nn.functional, "scaled_dot_product_attention", _attention_in_float32)
         expected = torch_amp_run(model, batches)
+    assert reference.seen[_ATTENTION_OP] == {torch.float32}  # the model took the edited attention
     dtypes = _InputDtypes()
     with dtypes:
         run, _, infos = fmp_run(initial_state(model, fmp_optimizer(model)), _float32_attention_step(model), batches)

@@ -33,11 +33,9 @@ def loss_fn(params, buffers, x, y):
 
 # --8<-- [start:float32-attention]
 # torch's CPU rules with one op changed: attention takes its inputs (the bfloat16 projections) in float32.
-loss_fn = fmp.autocast.autocast(
-    loss_fn, torch.bfloat16, rules="cpu", overrides={"scaled_dot_product_attention": torch.float32}
+policy = fmp.get_policy("params=float32,compute=bfloat16,output=float32,rules=cpu").with_overrides(
+    {"scaled_dot_product_attention": torch.float32}
 )
-# The loss function does the casting, so the policy casts nothing whole.
-policy = fmp.get_policy("params=float32,compute=float32,output=float32")
 optimizer = fmp.optim.adamw(1e-3)
 state = fmp.TrainState.create(params, optimizer, fmp.DynamicLossScale.create(), model_state=buffers)
 train_step = fmp.compile(functools.partial(fmp.train_step, loss_fn, policy=policy, optimizer=optimizer, donate=True))

@@ -23,7 +23,7 @@ from fmp.autocast._rules import RULE_SETS
 from fmp.autocast._rules import Cast
 from fmp.autocast._rules import RuleSet
 
-__all__ = ["Override", "Target", "resolve_rules", "seen_names"]
+__all__ = ["Override", "Target", "checked_override", "resolve_rules", "seen_names"]
 
 Override = Cast | torch.dtype | None
 """An override's value: a Cast, a fixed dtype to cast to, or None to leave the op uncast."""
@@ -139,6 +139,15 @@ def _checked_rules(rules: Mapping[Any, Override]) -> dict[str, Override]:
         _check_value(name, value, "rule")
         checked[name] = value
     return checked
+
+
+def checked_override(op: Any, value: Override) -> str:
+    """The op name of one override, checked as `autocast`'s overrides are (a `Policy`'s, set apart from a call)."""
+    name = _op_name(op, "overrides")
+    if not any(name in built_in for built_in in RULE_SETS.values()):
+        _check_name(name, "overrides")
+    _check_value(name, value, "override")
+    return name
 
 
 def _merge(rules: Mapping[str, Override], overrides: Mapping[Any, Override] | None) -> dict[str, Override]:
