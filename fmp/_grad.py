@@ -33,6 +33,7 @@ from fmp._scaler import unscale_and_check
 from fmp._struct import serializable_namedtuple
 from fmp._tree import check_on_device
 from fmp.autocast._transform import autocast
+from fmp.autocast._transform import autocast_on_table
 
 __all__ = ["Gradients", "LossFn", "differentiate", "mixed_precision_grad", "with_policy"]
 
@@ -100,7 +101,9 @@ def with_policy(fn: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
 def _forward(loss_fn: LossFn, policy: Policy) -> LossFn:
     """`loss_fn` under the policy's compute dtype: op by op with rules, else with params and args cast whole."""
     if policy.casts_by_op:
-        return autocast(loss_fn, policy.compute_dtype, rules=cast(str, policy.rules), overrides=dict(policy.overrides))
+        if policy.overrides:
+            return autocast_on_table(loss_fn, policy.override_table())
+        return autocast(loss_fn, policy.compute_dtype, rules=cast(str, policy.rules))
 
     def cast_whole(params: Any, *args: Any) -> Any:
         return loss_fn(policy.cast_to_compute(params), *policy.cast_to_compute(args))

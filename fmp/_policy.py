@@ -6,11 +6,14 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 from typing import TypeVar
+from typing import cast
 
 import torch
 
 from fmp._tree import cast_floating
+from fmp.autocast._overrides import Target
 from fmp.autocast._overrides import checked_override
+from fmp.autocast._overrides import resolve_rules
 from fmp.autocast._rules import RULE_SETS
 from fmp.autocast._rules import Cast
 
@@ -45,6 +48,11 @@ _DEFAULT_RULES = "cuda"
 # Not asked of torch.get_autocast_dtype, which inside a region (or after set_autocast_dtype) reports that
 # dtype instead; tests compare the set with torch's defaults.
 _BFLOAT16_DEVICE_TYPES = frozenset({"cpu", "xla", "hpu", "maia"})
+# Op tables of policies with overrides, by (rules, compute dtype, overrides): a plain dict, which a
+# traced step reads as constants.
+_OVERRIDE_TABLES: dict[
+    tuple[str | None, torch.dtype, tuple[tuple[str, Cast | None], ...]], dict[str, Target | None]
+] = {}
 
 
 def _accelerator_type() -> str:
@@ -119,8 +127,10 @@ class Policy:
             semantics, params and floating inputs cast whole to `compute_dtype` before the loss
             function runs. A float32 or float64 `compute_dtype` casts whole either way.
         overrides: Per-op changes of `rules`, as `fmp.autocast.autocast`'s `overrides`: sorted
-            `(op name, Cast or None)` pairs, set with `with_overrides`. With any, the loss function
-            runs on fmp's own per-op mode rather than on torch.autocast. Empty by default.
+            `(op name, Cast or None)` pairs, set with `with_overrides`. Where the policy casts by
+            op (`casts_by_op`: a 16-bit compute dtype), a loss function with any runs on fmp's own
+            per-op mode rather than on torch.autocast; a float32 compute dtype casts whole and
+            they change nothing. Empty by default.
     """
 
     param_dtype: torch.dtype = torch.float32
@@ -139,11 +149,19 @@ class Policy:
             )
         if self.overrides != _checked_overrides(dict(_pairs(self.overrides))):
             raise ValueError(
-                f"Policy.overrides must be sorted (op name, Cast or None) pairs, got {self.overrides!r}; "
-                f"set them with policy.with_overrides({{op: rule}})"
+                f"Policy.overrides must be as with_overrides makes them: sorted, unique, keyed by op name, with "
+                f"Cast or None values; got {self.overrides!r}; set them with policy.with_overrides({{op: rule}})"
             )
         if self.overrides and self.rules is None:
-            raise ValueError("Policy.overrides change a rule set, and rules=None casts whole: set rules too")
+            raise ValueError(
+                "Policy.overrides change a rule set, and rules=None casts whole: use rules 'cuda' or 'cpu', "
+                "or clear the overrides first (policy.with_overrides({}))"
+            )
+        if self.overrides and self.compute_dtype in _LOW_DTYPES:
+            # Resolved here, where the policy is made: a traced step only reads the table.
+            key = (self.rules, self.compute_dtype, self.overrides)
+            if key not in _OVERRIDE_TABLES:
+                _OVERRIDE_TABLES[key] = resolve_rules(cast(str, self.rules), self.compute_dtype, dict(self.overrides))
         for field in dataclasses.fields(self):
             if field.name in ("rules", "overrides"):
                 continue
@@ -157,6 +175,10 @@ class Policy:
     def casts_by_op(self) -> bool:
         """Whether the loss function runs under `fmp.autocast` (rules set and a 16-bit compute dtype)."""
         return self.rules is not None and self.compute_dtype in _LOW_DTYPES
+
+    def override_table(self) -> dict[str, Target | None]:
+        """The op table of `rules` with `overrides` for `compute_dtype` (a policy that casts by op, with overrides)."""
+        return _OVERRIDE_TABLES[(self.rules, self.compute_dtype, self.overrides)]
 
     @property
     def effective_reduce_dtype(self) -> torch.dtype:
@@ -274,7 +296,7 @@ def get_policy(spec: str, *, device_type: str | torch.device | None = None) -> P
     params (None, also spelled "reduce=none"), rules "cuda". `overrides` lists per-op changes of the
     rules as `op:rule` joined by "+" (`overrides=scaled_dot_product_attention:float32`; rules
     "lower", "float32", "promote", "float32_unless_float16" or "none"; see
-    `Policy.with_overrides`). A bare dtype ("bf16") sets params,
+    `Policy.with_overrides`; op names are case-sensitive). A bare dtype ("bf16") sets params,
     compute and output. Dtypes are spelled as in torch or jmp (float32, fp32, f32, full, float16,
     fp16, f16, bfloat16, bf16, float64, f64, ...) and "half" is the platform's 16-bit float (see
     `half_dtype`). Case and whitespace do not matter.
@@ -288,6 +310,7 @@ def get_policy(spec: str, *, device_type: str | torch.device | None = None) -> P
         The parsed Policy.
 
     Raises:
+        TypeError: If `spec` is not a string, or an override names a module or class.
         ValueError: Naming the bad key, dtype or fragment and what is accepted.
     """
     if not isinstance(spec, str):
@@ -337,16 +360,16 @@ def _parse_rules(value: str) -> str | None:
 
 
 def _parse_overrides(value: str) -> dict[str, Cast | None]:
-    rules = {cast.value: cast for cast in Cast} | {"none": None}
+    rule_names = {rule.value: rule for rule in Cast} | {"none": None}
     parsed: dict[str, Cast | None] = {}
     for item in value.split("+"):
-        op, sep, rule = item.partition(":")
+        op, sep, rule = item.rpartition(":")  # the last colon: "aten::mm:none"
         op, rule = op.strip(), rule.strip().lower()
-        if not sep or not op or rule not in rules:
+        if not sep or not op or rule not in rule_names:
             raise ValueError(
-                f"malformed policy override {item.strip()!r}; expected op:rule with rule one of {', '.join(rules)}"
+                f"malformed policy override {item.strip()!r}; expected op:rule with rule one of {', '.join(rule_names)}"
             )
         if op in parsed:
             raise ValueError(f"policy overrides name {op!r} twice")
-        parsed[op] = rules[rule]
+        parsed[op] = rule_names[rule]
     return parsed

@@ -113,4 +113,5 @@ def test_pooling_compiles_whole_in_the_mode(rules: str) -> None:
     # `_list_with_default`: both once ended the graph under the mode.
     fn = autocast(_pooling, torch.bfloat16, rules=dict(CPU) if rules == "cpu" else rules)  # a copy: the mode
     x = torch.randn(2, 3, 10, 10)
+    torch._dynamo.reset()  # every autocast-wrapped function shares one code object, and its recompile limit
     torch.testing.assert_close(torch.compile(fn, fullgraph=True)(x), fn(x), **TOLERANCES[torch.bfloat16])

@@ -11,6 +11,7 @@ from conftest import assert_trees_bitwise_equal
 from conftest import mlp_batches
 from conftest import mlp_loss
 from conftest import mlp_params
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import fmp
 
@@ -77,7 +78,7 @@ def test_a_policys_overrides_change_one_op_as_autocasts_own_overrides_do() -> No
     assert seen == {"param": torch.float32, "input": torch.float32, "linear": torch.float32, "softmax": torch.float32}
     assert recorded_dtypes(policy)["linear"] == torch.bfloat16
     # A step on the policy's overrides is the step on autocast's with a policy that casts nothing whole.
-    overrides = {"softmax": None, "linear": torch.float32}
+    overrides = {"relu": torch.float32, "linear": torch.float32}  # relu: in neither rule set
     optimizer = fmp.optim.adamw(1e-2)
     by_policy = functools.partial(
         fmp.train_step, mlp_loss, policy=policy.with_overrides(overrides), optimizer=optimizer
@@ -92,6 +93,31 @@ def test_a_policys_overrides_change_one_op_as_autocasts_own_overrides_do() -> No
     for x, y in mlp_batches(4, 1):
         states = [step(state, x, y)[0] for step, state in zip((by_policy, by_hand), states, strict=True)]
     assert_trees_bitwise_equal(states[0], states[1])
+
+
+def test_a_step_on_a_policys_overrides_compiles_to_one_graph_and_equals_the_eager_step() -> None:
+    # relu is in neither rule set: its name is checked where the policy is made, not in the trace.
+    policy = fmp.get_policy("params=float32,compute=bfloat16,output=float32,rules=cpu").with_overrides(
+        {"relu": fmp.autocast.Cast.LOWER, "linear": torch.float32}
+    )
+    optimizer = fmp.optim.adamw(1e-2)
+    step = functools.partial(fmp.train_step, mlp_loss, policy=policy, optimizer=optimizer)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    states = [fmp.TrainState.create(mlp_params(), optimizer, fmp.DynamicLossScale.create()) for _ in range(2)]
+    try:
+        for x, y in mlp_batches(3, 0):
+            states = [s(state, x, y)[0] for s, state in zip((compiled, step), states, strict=True)]
+    finally:
+        torch._dynamo.reset()  # torch.compile keeps every partial's graphs under one code object
+    assert counter.frame_count == 1
+    assert_trees_bitwise_equal(states[0].params, states[1].params)
+
+
+def test_overrides_change_nothing_where_the_policy_casts_whole() -> None:
+    policy = fmp.get_policy("params=float32,compute=float32,output=float32,rules=cpu")
+    assert recorded_dtypes(policy.with_overrides({"linear": fmp.autocast.Cast.LOWER})) == recorded_dtypes(policy)
 
 
 def test_step_info_loss_scale_is_on_the_step_device_for_no_op_scalers() -> None:

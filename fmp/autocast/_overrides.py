@@ -142,10 +142,21 @@ def _checked_rules(rules: Mapping[Any, Override]) -> dict[str, Override]:
 
 
 def checked_override(op: Any, value: Override) -> str:
-    """The op name of one override, checked as `autocast`'s overrides are (a `Policy`'s, set apart from a call)."""
+    """The op name of one override, checked as `autocast` checks its overrides: for `Policy.with_overrides`.
+
+    Args:
+        op: A torch function, its name or its path.
+        value: The override's rule.
+
+    Returns:
+        The op's name, as rule sets key it.
+
+    Raises:
+        TypeError: For a class, a module or a value that is not a floating dtype, Cast or None.
+        ValueError: For a name no torch function or op has, or an in-place op given a cast.
+    """
     name = _op_name(op, "overrides")
-    if not any(name in built_in for built_in in RULE_SETS.values()):
-        _check_name(name, "overrides")
+    _check_name(name, "overrides")
     _check_value(name, value, "override")
     return name
 

@@ -308,6 +308,20 @@ _NAMED_TABLES: dict[tuple[str, torch.dtype], dict[str, Target | None]] = {
 }
 
 
+def autocast_on_table(fn: Callable[P, R], table: Mapping[str, Target | None]) -> Callable[P, R]:
+    """`fn` run on fmp's per-op mode with a table `resolve_rules` made (a policy's rules and overrides).
+
+    For a table resolved once, where the policy was made: a compiled step then reads a plain dict
+    instead of checking op names while Dynamo traces it, and an eager step skips the resolving.
+    """
+
+    @functools.wraps(fn)
+    def autocast_fn(*args: P.args, **kwargs: P.kwargs) -> R:
+        return AutocastMode(cast(RuleSet, table)).run(fn, *args, **kwargs)
+
+    return autocast_fn
+
+
 def autocast(
     fn: Callable[P, R],
     dtype: torch.dtype,
