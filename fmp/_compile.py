@@ -259,18 +259,19 @@ def _compiled(
     merged.update(options or {})
     merged["guard_filter_fn"] = _keep_untrusted(merged.get("guard_filter_fn"))
     wrapper_by_size = False
+    is_module = isinstance(fn, torch.nn.Module)  # a model's forward and backward compile apart
     if backend == "inductor":
         if not torch.accelerator.is_available():
             # Everything runs on the CPU: the graph's Python wrapper (buffer allocation, kernel
             # calls) is generated as C++, the same kernels called with less overhead per step.
             merged.setdefault("cpp_wrapper", True)
-            if merged["cpp_wrapper"] is False and not isinstance(fn, torch.nn.Module):  # a model's passes compile apart
+            if merged["cpp_wrapper"] is False and not is_module:
                 warnings.warn(_PYTHON_WRAPPER_ON_CPU, UserWarning, stacklevel=3)
             # A large graph's wrapper is built apart, at -O1 (see BuildLargeWrapperApart), unless the
             # caller chose; the key goes in the options so that the pass's choice reverts with them.
             wrapper_by_size = (
                 merged["cpp_wrapper"] is True
-                and not isinstance(fn, torch.nn.Module)
+                and not is_module
                 and "cpp_wrapper_build_separate" not in merged
                 and not torch._inductor.config.cpp_wrapper_build_separate
             )
@@ -291,7 +292,7 @@ def _compiled(
         cacheable = "unsafe_marked_cacheable_functions"
         marked = merged.get(cacheable, torch._inductor.config.unsafe_marked_cacheable_functions)
         merged[cacheable] = {**_AUTOCAST_IN_GRAPH, **marked}
-    target = fn if isinstance(fn, torch.nn.Module) else _own_frame(fn)
+    target = fn if is_module else _own_frame(fn)
     compiled = torch.compile(
         target, fullgraph=fullgraph, dynamic=dynamic, backend=backend, options=merged, **compile_kwargs
     )

@@ -167,11 +167,7 @@ def _merge(rules: Mapping[str, Override], overrides: Mapping[Any, Override] | No
         raise TypeError(f"autocast overrides must be a mapping of op to rule, got {type(overrides).__name__}")
     merged: dict[str, Override] = dict(rules)
     for op, value in (overrides or {}).items():
-        name = _op_name(op, "overrides")
-        if name not in rules:
-            _check_name(name, "overrides")
-        _check_value(name, value, "override")
-        merged[name] = value
+        merged[checked_override(op, value)] = value
     return merged
 
 
